@@ -1,0 +1,31 @@
+"""The `netgain` command: one subcommand per module, imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with `configure(parser)` and `run(args) -> int`, one-line help)
+COMMANDS = {
+    "train": ("netgain.train", "data-parallel training with a gradient codec (spawns gloo workers or runs under torchrun)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netgain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).configure(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
