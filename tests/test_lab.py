@@ -1,0 +1,129 @@
+"""The throttled-network lab: set-up, a TCP exchange between two namespaces, shaping, teardown.
+
+The namespace tests need root and a kernel that permits network namespaces; they skip otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import lab  # noqa: E402
+
+
+def _namespaces_permitted() -> bool:
+    if os.geteuid() != 0:
+        return False
+    name = f"{lab.NAME_PREFIX}-{os.getpid()}-probe"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+needs_netns = pytest.mark.skipif(not _namespaces_permitted(),
+                                 reason="needs root and permission to create network namespaces")
+
+# one worker listens, the other connects to worker 0's lab address and sends a line
+_EXCHANGE = r"""
+import os, socket, sys
+rank, master = int(os.environ["RANK"]), os.environ["MASTER_ADDR"]
+port = int(os.environ["MASTER_PORT"])
+if rank == 0:
+    srv = socket.create_server((master, port)); srv.settimeout(10)
+    conn, _ = srv.accept(); data = conn.recv(100); conn.sendall(data.upper())
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((master, port), timeout=10); break
+        except OSError:
+            import time; time.sleep(0.05)
+    c.sendall(b"hello from %d" % rank)
+    assert c.recv(100) == b"HELLO FROM %d" % rank
+"""
+
+
+def test_parse_rate():
+    assert lab.parse_rate("100mbit") == 100e6
+    assert lab.parse_rate("1gbit") == 1e9
+    assert lab.parse_rate("none") is None and lab.parse_rate(None) is None
+    with pytest.raises(ValueError, match="rate"):
+        lab.parse_rate("100mb/s")
+
+
+def test_burst_follows_the_documented_sizes():
+    assert lab.tbf_burst_bytes(100e6) == 256 * 1024
+    assert lab.tbf_burst_bytes(1e9) == 1_000_000
+
+
+def test_bad_worker_count_is_named():
+    with pytest.raises(ValueError, match="workers"):
+        lab.Lab(0)
+
+
+def test_not_root_gives_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(lab.LabError, match="root"):
+        with lab.Lab(2):
+            pass
+
+
+@needs_netns
+def test_two_workers_exchange_and_teardown_leaves_nothing():
+    with lab.Lab(2, rate="100mbit", master_port=29611) as the_lab:
+        names = set(the_lab.namespaces + [the_lab.bridge_ns])
+        assert names <= set(lab.list_lab_namespaces())
+        qdisc = subprocess.run(["ip", "netns", "exec", the_lab.namespaces[1], "tc", "qdisc",
+                                "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        the_lab.set_rate("1gbit")
+        qdisc = subprocess.run(["ip", "netns", "exec", the_lab.namespaces[1], "tc", "qdisc",
+                                "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "1Gbit" in qdisc
+        codes = the_lab.run([sys.executable, "-c", _EXCHANGE], timeout=30)
+        assert codes == [0, 0]
+    assert not names & set(lab.list_lab_namespaces())
+
+
+@needs_netns
+def test_host_interfaces_are_untouched():
+    before = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    with lab.Lab(2):
+        during = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert before == during
+
+
+@needs_netns
+def test_error_inside_the_block_still_tears_down():
+    with pytest.raises(RuntimeError, match="boom"):
+        with lab.Lab(2) as the_lab:
+            names = set(the_lab.namespaces + [the_lab.bridge_ns])
+            the_lab.start(["sleep", "30"])
+            raise RuntimeError("boom")
+    assert not names & set(lab.list_lab_namespaces())
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_killed_lab_process_tears_down(sig):
+    import signal
+    import time
+
+    script = Path(lab.__file__)
+    proc = subprocess.Popen([sys.executable, str(script), "--workers", "2", "--rate", "100mbit",
+                             "--", "sleep", "30"], stderr=subprocess.PIPE)
+    mine = f"{lab.NAME_PREFIX}-{proc.pid}-"
+    deadline = time.monotonic() + 15
+    while sum(n.startswith(mine) for n in lab.list_lab_namespaces()) < 3:
+        assert time.monotonic() < deadline, "lab did not come up"
+        time.sleep(0.05)
+    time.sleep(0.3)  # let the workers start
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=15) == 130
+    assert not [n for n in lab.list_lab_namespaces() if n.startswith(mine)]
