@@ -1,0 +1,38 @@
+"""EF21 error feedback (Richtárik et al. 2021) for the biased sparsifiers.
+
+Each worker keeps its own estimate g_i of its gradient and all workers keep the same g, the
+mean of the g_i. A step sends only c_i = C(grad_i - g_i); then g_i += c_i and g += mean_i(c_i).
+What C drops is not lost: it stays in grad_i - g_i and is sent in a later step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class EF21:
+    def __init__(self, numel: int, device: torch.device | str = "cpu"):
+        self.local = torch.zeros(numel, device=device)   # g_i
+        self.shared = torch.zeros(numel, device=device)  # g, identical on every rank
+
+    def residual(self, grad: torch.Tensor) -> torch.Tensor:
+        """What the compressor looks at this step: grad_i - g_i."""
+        return grad - self.local
+
+    def advance(self, local_index, local_values, mean_index, mean_values) -> torch.Tensor:
+        """g_i += c_i and g += mean(c), both sparse; returns the new g (this step's averaged gradient)."""
+        self.local.index_add_(0, local_index, local_values)
+        self.shared.index_add_(0, mean_index, mean_values)
+        return self.shared.clone()
+
+    def sync(self, grad: torch.Tensor, mean: torch.Tensor) -> None:
+        """After an uncompressed step both estimates are exact."""
+        self.local.copy_(grad)
+        self.shared.copy_(mean)
+
+    def state_dict(self) -> dict:
+        return {"local": self.local.clone(), "shared": self.shared.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.local.copy_(state["local"])
+        self.shared.copy_(state["shared"])

@@ -1,0 +1,301 @@
+"""The netgain DDP communication hook: state object, hook function, one-line `register`.
+
+    state = netgain.comm.register(ddp_model, codec="gqsgd", bits=8)
+    # or, e.g. for Lightning: DDPStrategy(ddp_comm_state=CommState(make_codec("gqsgd")),
+    #                                     ddp_comm_hook=netgain.comm.hook)
+
+The hook hands each bucket to ONE communication thread and returns a future at once, so the
+backward pass keeps computing while earlier buckets are encoded and sent. A single thread
+issuing collectives in submission order keeps their order identical on every rank (DDP submits
+buckets in index order), which multi-step pipelines (header -> payload) need on gloo.
+
+Per bucket: [header allreduce MAX: global max |g|, non-finite flag, plan signature] ->
+codec.encode -> collective -> codec.decode. The header makes every rank see the same verdict,
+so NaN/Inf or a plan mismatch raises on every rank instead of hanging one of them.
+
+`hook` keeps its annotations unquoted (no `from __future__ import annotations`): DDP checks them.
+"""
+
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from .codecs import Codec, Context, NoCompression, make_codec
+from .collectives import Link
+from .feedback import EF21
+
+NONFINITE_POLICIES = ("raise", "uncompressed")
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A bucket held NaN or Inf on at least one rank; raised on every rank."""
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks tried to aggregate one bucket with different codecs; raised on every rank."""
+
+
+class _Bucket:
+    """Per-bucket state: this rank's rounding RNG, EF21 buffers, and the parameter layout."""
+
+    def __init__(self, numel: int, generator: torch.Generator, layout: dict[str, tuple[int, int]]):
+        self.numel, self.generator, self.layout = numel, generator, layout
+        self.feedback: EF21 | None = None
+
+
+def _pieces(bucket: _Bucket) -> dict[str, dict[str, torch.Tensor]]:
+    if bucket.feedback is None:
+        return {}
+    return {key: {"local": bucket.feedback.local[offset:offset + numel].clone(),
+                  "shared": bucket.feedback.shared[offset:offset + numel].clone()}
+            for key, (offset, numel) in bucket.layout.items()}
+
+
+class CommState:
+    """Hyperparameters, per-bucket state and statistics of the netgain hook.
+
+    Holds no process group: `state_dict()` / `load_state_dict()` carry the step counter, every
+    bucket's RNG state and EF21 buffers (stored per parameter, so they survive DDP rebuilding
+    its buckets and resuming with a different bucket layout).
+    """
+
+    def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None,
+                 warmup_steps: int = 0, min_compress_numel: int = 1024, nonfinite: str = "raise",
+                 seed: int = 0, param_names: dict[int, str] | None = None):
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        if warmup_steps < 0 or min_compress_numel < 0:
+            raise ValueError(f"warmup_steps and min_compress_numel must be >= 0, got {warmup_steps}, {min_compress_numel}")
+        self.codec, self.process_group = codec, process_group
+        self.warmup_steps, self.min_compress_numel = warmup_steps, min_compress_numel
+        self.nonfinite, self.seed = nonfinite, seed
+        self.param_names = param_names or {}
+        self.step = 0
+        self.last_step: dict = {}
+        self.history: list[dict] = []
+        self._buckets: dict[int, _Bucket] = {}
+        self._pending_feedback: dict[str, dict[str, torch.Tensor]] = {}
+        self._pending_rng: dict[int, torch.Tensor] = {}
+        self._records: list[dict] = []
+        self._last_submit = 0.0
+        self._link: Link | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ---- which codec a bucket uses this step ---------------------------------------------------
+    def codec_for(self, index: int, numel: int) -> Codec:
+        if self.step < self.warmup_steps or numel < self.min_compress_numel:
+            return _UNCOMPRESSED
+        return self.codec
+
+    def plan_signature(self, index: int, codec: Codec) -> float:
+        """A number every rank must agree on for this bucket (exact in float32)."""
+        return float(zlib.crc32(f"{index}:{codec.describe()}".encode()) % (1 << 24))
+
+    # ---- the hook's work, on the communication thread ------------------------------------------
+    def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        if dist.get_world_size(self.process_group) == 1:  # nothing to send: pass through
+            self._last_submit = time.perf_counter()
+            self._records.append({"index": bucket.index(), "numel": buffer.numel(), "codec": "passthrough",
+                                  "wire_bytes": 0, "raw_bytes": 4 * buffer.numel(), "comm_s": 0.0,
+                                  "encode_s": 0.0, "decode_s": 0.0})
+            if bucket.is_last():
+                self._end_step()
+            future.set_result(buffer)
+            return future
+        if self._executor is None:
+            self._link = Link(self.process_group)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
+        ready = torch.cuda.Event() if buffer.is_cuda else None
+        if ready is not None:
+            ready.record()
+        layout = self._layout(bucket)
+        self._last_submit = time.perf_counter()
+        job = self._executor.submit(self._run, bucket.index(), buffer, layout, bucket.is_last(), ready)
+
+        def resolve(done):
+            error = done.exception()
+            future.set_exception(error) if error is not None else future.set_result(done.result())
+
+        job.add_done_callback(resolve)
+        return future
+
+    def _run(self, index, buffer, layout, is_last, ready):
+        if ready is not None:
+            ready.synchronize()
+        try:
+            out = self._aggregate(index, buffer, layout)
+            if buffer.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            return out
+        finally:
+            if is_last:
+                self._end_step()
+
+    def _aggregate(self, index: int, x: torch.Tensor, layout) -> torch.Tensor:
+        link, n = self._link, self._link.world_size
+        bucket = self._bucket(index, x, layout)
+        codec = self.codec_for(index, x.numel())
+        ctx = Context(n, bucket.generator, shared_seed=hash((self.seed, index, self.step)) & 0x7FFFFFFF)
+        if codec.uses_feedback:
+            bucket.feedback = bucket.feedback or EF21(x.numel(), x.device)
+            ctx.feedback = bucket.feedback
+        bytes_before, seconds_before = link.bytes_sent, link.seconds
+
+        if codec.needs_header:
+            absmax = x.abs().max().to(torch.float32)
+            finite = bool(torch.isfinite(absmax))
+            signature = self.plan_signature(index, codec)
+            header = torch.tensor([float(absmax) if finite else 0.0, 0.0 if finite else 1.0, signature, -signature],
+                                  device=x.device)
+            link.allreduce(header, dist.ReduceOp.MAX)
+            if header[2] != -header[3]:
+                raise PlanMismatchError(f"bucket {index}: ranks chose different codecs (this rank: {codec.describe()})")
+            nonfinite, ctx.scale = bool(header[1] > 0), float(header[0])
+        else:
+            nonfinite = False
+
+        if nonfinite:
+            out = self._nonfinite(index, x, layout, link)
+        elif codec.needs_header and ctx.scale == 0.0:
+            out = torch.zeros_like(x)  # every rank's bucket is all zeros
+        else:
+            payload = codec.encode(x, ctx)
+            if codec.collective == "allreduce":
+                aggregated = link.allreduce(payload)
+            elif codec.collective == "allgather":
+                aggregated = link.allgather(payload)
+            else:
+                aggregated = link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, ctx))
+            out = codec.decode(aggregated, x.numel(), ctx)
+            if not codec.needs_header and not bool(torch.isfinite(out).all()):
+                # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
+                if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
+                    out = self._nonfinite(index, x, layout, link)
+            elif codec is _UNCOMPRESSED and bucket.feedback is not None:
+                bucket.feedback.sync(x, out)  # warm-up: the EF21 estimates become exact
+
+        self._records.append({
+            "index": index, "numel": x.numel(), "codec": codec.describe(),
+            "wire_bytes": link.bytes_sent - bytes_before, "raw_bytes": 4 * x.numel(),
+            "comm_s": link.seconds - seconds_before, **ctx.seconds,
+        })
+        return out
+
+    def _nonfinite(self, index, x, layout, link) -> torch.Tensor:
+        if self.nonfinite == "raise":
+            names = [self.param_names.get(key, key) for key in layout][:4]
+            raise NonFiniteGradientError(
+                f"bucket {index} holds NaN/Inf gradients on at least one rank (parameters {names}"
+                f"{' ...' if len(layout) > 4 else ''}); pass nonfinite='uncompressed' to send such buckets uncompressed"
+            )
+        return link.allreduce(x / link.world_size)
+
+    def _end_step(self):
+        records, self._records = self._records, []
+        totals = {key: sum(r[key] for r in records) for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
+        totals.update(step=self.step, buckets=len(records), wait_s=time.perf_counter() - self._last_submit,
+                      compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
+        self.history.append(totals)
+        self.last_step = {**totals, "per_bucket": records}
+        self.step += 1
+
+    # ---- per-bucket state, re-created when DDP rebuilds its buckets --------------------------
+    def _layout(self, bucket: dist.GradBucket) -> dict[str, tuple[int, int]]:
+        """parameter key -> (offset, numel) inside the bucket's flat buffer."""
+        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
+        return {self._key(p): ((g.data_ptr() - base) // size, g.numel())
+                for p, g in zip(bucket.parameters(), bucket.gradients())}
+
+    def _key(self, param: torch.Tensor) -> str:
+        return self.param_names.get(id(param), f"id{id(param)}")
+
+    def _bucket(self, index: int, x: torch.Tensor, layout) -> _Bucket:
+        bucket = self._buckets.get(index)
+        if bucket is not None and bucket.layout == layout:
+            return bucket
+        if bucket is not None:
+            self._pending_feedback.update(_pieces(bucket))
+            generator = bucket.generator
+        else:
+            generator = torch.Generator(device=x.device).manual_seed(self.seed * 1_000_003 + self._link.rank * 7_919 + index)
+            if index in self._pending_rng:
+                generator.set_state(self._pending_rng.pop(index))
+        available = self._feedback_by_param()
+        bucket = self._buckets[index] = _Bucket(x.numel(), generator, layout)
+        if available.keys() & layout.keys():
+            bucket.feedback = EF21(x.numel(), x.device)
+            for key, (offset, numel) in layout.items():
+                if key in available:
+                    bucket.feedback.local[offset:offset + numel] = available[key]["local"]
+                    bucket.feedback.shared[offset:offset + numel] = available[key]["shared"]
+                self._pending_feedback.pop(key, None)
+        return bucket
+
+    def _feedback_by_param(self) -> dict[str, dict[str, torch.Tensor]]:
+        """EF21 buffers cut per parameter: pending (from a checkpoint or a replaced bucket), then live."""
+        pieces = dict(self._pending_feedback)
+        for bucket in self._buckets.values():
+            pieces.update(_pieces(bucket))
+        return pieces
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "codec": self.codec.describe(),
+            "rng": {index: b.generator.get_state() for index, b in self._buckets.items()},
+            "feedback": self._feedback_by_param(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["codec"] != self.codec.describe():
+            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this state uses {self.codec.describe()}")
+        self.step = state["step"]
+        self._buckets = {}
+        self._pending_feedback = dict(state["feedback"])
+        self._pending_rng = dict(state["rng"])
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_link=None, _executor=None, process_group=None)
+        return state
+
+
+_UNCOMPRESSED = NoCompression()
+
+
+def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: returns a future of the averaged bucket."""
+    return state.submit(bucket)
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | Codec = "gqsgd", *,
+             bits: int = 8, encoding: str = "packed", ratio: float = 0.01,
+             process_group: dist.ProcessGroup | None = None, **options) -> CommState:
+    """Register the netgain hook on ``ddp_model``; returns its CommState.
+
+    Checks that every rank asked for the same codec and options (raises on every rank if not).
+    ``options``: warmup_steps, min_compress_numel, nonfinite, seed (see CommState).
+    """
+    if isinstance(codec, str):
+        codec = make_codec(codec, bits=bits, encoding=encoding, ratio=ratio)
+    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    state = CommState(codec, process_group=process_group, param_names=names, **options)
+    _check_same_config(state)
+    ddp_model.register_comm_hook(state, hook)
+    return state
+
+
+def _check_same_config(state: CommState) -> None:
+    config = {"codec": state.codec.describe(), "warmup_steps": state.warmup_steps,
+              "min_compress_numel": state.min_compress_numel, "nonfinite": state.nonfinite, "seed": state.seed}
+    configs = [None] * dist.get_world_size(state.process_group)
+    dist.all_gather_object(configs, config, group=state.process_group)
+    if any(c != configs[0] for c in configs):
+        raise ValueError("netgain comm configuration differs between ranks: "
+                         + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))

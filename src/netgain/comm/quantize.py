@@ -1,0 +1,120 @@
+"""Pure quantisation arithmetic shared by the codecs: no process groups, no state.
+
+Everything here is unbiased stochastic rounding or exact integer bookkeeping, so the codecs'
+claims (unbiased, never overflows) can be tested on these functions alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def levels_per_side(bits: int) -> int:
+    """Non-negative levels a signed ``bits``-bit code can hold on each side of zero: 2**(bits-1) - 1."""
+    return (1 << (bits - 1)) - 1
+
+
+def stochastic_round(q: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Round to floor or ceil with P(ceil) = fractional part, so E[result] = q exactly."""
+    low = torch.floor(q)
+    noise = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+    return low + (noise < (q - low)).to(q.dtype)
+
+
+# ---- packed offset codes: n workers' codes summed by one native integer SUM -------------------
+
+# A word never uses its sign bit, so the integer SUM of packed words can never overflow.
+WORD_TYPES = ((torch.int32, 31), (torch.int64, 63))
+
+
+def field_width(levels: int, world_size: int) -> int:
+    """Bits per field so that the sum of ``world_size`` offset codes in [0, 2*levels] never carries."""
+    return max(1, (2 * levels * world_size).bit_length())
+
+
+def word_layout(levels: int, world_size: int) -> tuple[torch.dtype, int, int]:
+    """(word dtype, field width, fields per word) with the fewest wire bits per element.
+
+    int32 unless int64 packs strictly denser (e.g. 9-bit fields: 3 per int32 = 10.7 bits/element,
+    7 per int64 = 9.1). Raises when a field does not fit even an int64 word.
+    """
+    width = field_width(levels, world_size)
+    best = None
+    for dtype, usable in WORD_TYPES:
+        per_word = usable // width
+        if per_word and (best is None or (usable + 1) / per_word < (best[1] + 1) / best[2]):
+            best = (dtype, usable, per_word)
+    if best is None:
+        raise ValueError(
+            f"world_size={world_size} with {levels} levels per side needs {width}-bit fields, "
+            f"wider than a 63-bit word; use fewer bits"
+        )
+    return best[0], width, best[2]
+
+
+def pack(offset_codes: torch.Tensor, levels: int, world_size: int) -> torch.Tensor:
+    """Pack offset codes (integers in [0, 2*levels]) into integer words, several fields each.
+
+    After the SUM over ``world_size`` workers a field holds at most 2*levels*world_size, which fits
+    its width, and the top field ends below the sign bit: the native integer SUM of the words is
+    exact, no field carries into its neighbour.
+    """
+    dtype, width, per_word = word_layout(levels, world_size)
+    numel = offset_codes.numel()
+    padded = torch.zeros(math.ceil(numel / per_word) * per_word, dtype=dtype, device=offset_codes.device)
+    padded[:numel] = offset_codes
+    shifts = torch.arange(per_word, dtype=dtype, device=offset_codes.device) * width
+    return (padded.view(-1, per_word) << shifts).sum(dim=1, dtype=dtype)
+
+
+def unpack(words: torch.Tensor, levels: int, world_size: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack` for summed words: the per-field sums, first ``numel`` of them."""
+    dtype, width, per_word = word_layout(levels, world_size)
+    shifts = torch.arange(per_word, dtype=dtype, device=words.device) * width
+    fields = (words.view(-1, 1) >> shifts) & ((1 << width) - 1)
+    return fields.reshape(-1)[:numel]
+
+
+def packed_bits_per_element(levels: int, world_size: int) -> float:
+    dtype, _, per_word = word_layout(levels, world_size)
+    return torch.iinfo(dtype).bits / per_word
+
+
+# ---- exponential (power-of-two) dithering ----------------------------------------------------
+
+
+def exp_top_exponent(world_size: int) -> int:
+    """Largest power of two a code can hold, relative to the global max |g| = 1.
+
+    A ring partial sum of n values each <= 1 is <= n; one spare doubling covers stochastic
+    rounding up. Larger magnitudes saturate (counted by the codec, astronomically rare).
+    """
+    return math.ceil(math.log2(world_size)) + 1
+
+
+def exp_encode(x: torch.Tensor, top: int, exponents: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Round |x| unbiasedly to a neighbouring power of two; return int8 codes.
+
+    Code c != 0 means sign(c) * 2**(top + 1 - |c|); c = 0 means zero. ``exponents`` codes per sign
+    cover 2**top down to 2**(top + 1 - exponents); below that, values round to 0 or the smallest
+    level with the probability that keeps the mean.
+    """
+    mag = x.abs()
+    smallest = 2.0 ** (top + 1 - exponents)
+    _, exponent = torch.frexp(mag)  # mag = m * 2**exponent with m in [0.5, 1): exact, no log2 rounding
+    low = torch.where(mag < smallest, torch.zeros_like(mag), torch.ldexp(torch.ones_like(mag), exponent - 1))
+    step = torch.where(mag < smallest, torch.full_like(mag, smallest), low)  # gap to the next level
+    noise = torch.rand(mag.shape, generator=generator, device=x.device, dtype=x.dtype)
+    rounded = low + step * (noise < (mag - low) / step).to(x.dtype)
+    _, exponent = torch.frexp(rounded)  # rounded = 0.5 * 2**exponent exactly
+    code = (top + 2 - exponent).clamp(1, exponents)  # clamp(1) saturates above 2**top
+    code = torch.where(rounded > 0, code, torch.zeros_like(code))
+    return (code * torch.sign(x)).to(torch.int8)
+
+
+def exp_decode(codes: torch.Tensor, top: int) -> torch.Tensor:
+    c = codes.to(torch.float32)
+    mag = torch.exp2(top + 1 - c.abs())
+    return torch.where(c == 0, torch.zeros_like(c), torch.sign(c) * mag)

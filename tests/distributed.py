@@ -1,0 +1,51 @@
+"""Run a function on N spawned gloo ranks and collect what each returns (test helper)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, folder, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        except Exception as error:  # reported to the test, which decides
+            result = ("error", f"{type(error).__name__}: {error}")
+        torch.save(result, os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn, world_size: int, *args, timeout: float = 120) -> list:
+    """fn(rank, world_size, *args) on each rank; returns [(status, value_or_message)] by rank."""
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.start_processes(_worker, args=(world_size, free_port(), folder, fn, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        if not _join(context, timeout):
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"ranks did not finish within {timeout} s (a hang)")
+        return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _join(context, timeout: float) -> bool:
+    import time
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic()) or 0.01):
+        if time.monotonic() >= deadline:
+            return False
+    return True
