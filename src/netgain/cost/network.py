@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # TCP/IPv4 payload per full-size frame at MTU 1500 (1448 bytes with timestamps) over what counts
 # against the limit: a whole Ethernet frame on a physical wire (1538 bytes incl. preamble and
@@ -85,12 +85,13 @@ PRESETS = {
                              note="25 GbE, TCP at MTU 1500 (94% payload); 30 us"), "a100"),
     "100gbe": (Link.from_rate("100gbe", 100e9, 30e-6,
                               note="100 GbE, TCP at MTU 1500 (94% payload); 30 us"), "a100"),
-    # The throttled-network lab (bench/lab.py): tbf meters L2 frames on a veth; the latency is a
-    # gloo round on this machine's loopback-speed veths (see bench/results/lab_allreduce.md).
-    "lab-100mbit": (Link.from_rate("lab-100mbit", 100e6, 200e-6, TCP_OVER_SHAPED_VETH,
-                                   "bench/lab.py at 100 Mbit/s (tbf on veth)"), None),
-    "lab-1gbit": (Link.from_rate("lab-1gbit", 1e9, 200e-6, TCP_OVER_SHAPED_VETH,
-                                 "bench/lab.py at 1 Gbit/s (tbf on veth)"), None),
+    # The throttled-network lab (bench/lab.py) on a CPU machine: tbf meters L2 frames on a veth;
+    # 100 us per message is half a 4-byte gloo all_reduce between two lab workers (85-113 us
+    # measured, bench/results/lab_allreduce.md).
+    "lab-100mbit": (Link.from_rate("lab-100mbit", 100e6, 100e-6, TCP_OVER_SHAPED_VETH,
+                                   "bench/lab.py at 100 Mbit/s (tbf on veth)"), "cpu"),
+    "lab-1gbit": (Link.from_rate("lab-1gbit", 1e9, 100e-6, TCP_OVER_SHAPED_VETH,
+                                 "bench/lab.py at 1 Gbit/s (tbf on veth)"), "cpu"),
 }
 
 
@@ -101,10 +102,10 @@ def preset(name: str) -> Link:
     return PRESETS[name][0]
 
 
-def preset_gpu(name: str) -> Gpu | None:
-    """The GPU a preset's fabric usually connects (None for the CPU lab)."""
-    gpu = PRESETS[name][1]
-    return GPUS[gpu] if gpu else None
+def preset_device(name: str) -> str:
+    """What a preset's fabric usually connects: a key of GPUS, or "cpu" for the lab."""
+    preset(name)
+    return PRESETS[name][1]
 
 
 _BIT_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -166,18 +167,26 @@ def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float
     return ring_allreduce_s(nbytes, n, link) + (n - 1) * combine_s / n
 
 
+COLLECTIVES = ("allreduce", "allgather", "ring")
+ALGORITHMS = ("ring", "tree")
+HEADER_BYTES = 16  # netgain's per-bucket header: one 4-float allreduce MAX (scale, flags, plan check)
+
+
 @dataclass(frozen=True)
 class CodecProfile:
     """What the model needs to know about one codec at one world size.
 
-    wire_bits: bits per gradient element each rank contributes; collective: 'allreduce'
-    (summable payload), 'allgather' (every rank decodes everyone's payload) or 'ring'
-    (reduce-scatter with a custom combine); per-element seconds for encode, decode and combine.
+    wire_bits: payload bits per gradient element each rank contributes; collective: 'allreduce'
+    (summable payload), 'allgather' (every rank decodes everyone's payload) or 'ring' (ring
+    reduce-scatter with a custom combine, then allgather); header_bytes: a small allreduce per
+    bucket before the payload (netgain's global scale); per-element seconds of encode, decode
+    and of one combine of two whole payloads (ring only).
     """
 
     name: str
     wire_bits: float
     collective: str = "allreduce"
+    header_bytes: int = 0
     encode_s_per_elem: float = 0.0
     decode_s_per_elem: float = 0.0
     combine_s_per_elem: float = 0.0
@@ -190,34 +199,28 @@ class CodecProfile:
             raise ValueError(f"wire_bits: must be > 0, got {self.wire_bits!r}")
 
 
-COLLECTIVES = ("allreduce", "allgather", "ring")
-ALGORITHMS = ("ring", "tree")
 UNCOMPRESSED = CodecProfile("none", 32.0)
 
 
 def collective_s(numel: int, world_size: int, link: Link, codec: CodecProfile,
                  algorithm: str = "ring") -> float:
-    """Time on the wire for one bucket of `numel` gradient elements under `codec`."""
+    """Time on the wire for one bucket of `numel` gradient elements under `codec` (with header)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    allreduce = tree_allreduce_s if algorithm == "tree" else ring_allreduce_s
+    header = allreduce(codec.header_bytes, world_size, link) if codec.header_bytes else 0.0
     nbytes = numel * codec.wire_bits / 8
     if codec.collective == "allgather":
-        return allgather_s(nbytes, world_size, link)
-    combine = numel * codec.combine_s_per_elem
+        return header + allgather_s(nbytes, world_size, link)
     if codec.collective == "ring":
-        return ring_combine_allreduce_s(nbytes, world_size, link, combine)
-    if algorithm == "tree":
-        return tree_allreduce_s(nbytes, world_size, link, combine)
-    return ring_allreduce_s(nbytes, world_size, link)
+        combine = numel * codec.combine_s_per_elem
+        return header + ring_combine_allreduce_s(nbytes, world_size, link, combine)
+    return header + allreduce(nbytes, world_size, link)
 
 
-def bytes_sent_per_rank(numel: int, world_size: int, codec: CodecProfile) -> float:
-    """Bytes one rank puts on the wire for one bucket (ring algorithms)."""
-    nbytes = numel * codec.wire_bits / 8
-    n = world_size
-    if codec.collective == "allgather":
-        return (n - 1) * nbytes
-    return 2 * (n - 1) / n * nbytes
+def payload_bytes(numel: int, codec: CodecProfile) -> float:
+    """Bytes this rank hands to the collectives for one bucket (what `netgain train` records)."""
+    return numel * codec.wire_bits / 8 + codec.header_bytes
 
 
 def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
@@ -258,8 +261,11 @@ def even_buckets(params: float, bucket_mb: float = 25.0, first_bucket_mb: float 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One predicted training step. `exposed_comm_s` is the part of the step spent waiting on
-    the network after the backward (and encoding) finished."""
+    """One predicted training step of one rank.
+
+    comm_s: time on the wire summed over buckets (as if nothing overlapped); encode_s/decode_s:
+    codec work; exposed_comm_s: how far the step runs past the end of the backward pass.
+    """
 
     codec: str
     step_s: float
@@ -268,9 +274,8 @@ class Prediction:
     encode_s: float
     decode_s: float
     exposed_comm_s: float
-    bytes_sent: float
+    payload_bytes: float
     buckets: int
-    timeline: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
 
 
 def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
@@ -280,11 +285,11 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     """Predict one data-parallel step.
 
     `buckets`: element counts per bucket in ready order (see ddp_buckets), or a parameter count
-    (split with even_buckets). `compute_s`: forward + backward (+ optimizer) time of one rank
-    without communication; the last `backward_fraction` of it is the backward, during which
-    buckets become ready in proportion to their size. Encoding runs on the compute stream (it
-    delays the rest of the backward); the collective and decoding of a bucket run on the
-    communication stream, one bucket after another.
+    (split with even_buckets). `compute_s`: forward + backward time of one rank without
+    communication; its last `backward_fraction` is the backward, during which buckets become
+    ready in proportion to their size. As in netgain's hook, one communication worker handles the
+    buckets in order: encode, header, collective, decode; bucket k starts when it is ready and
+    bucket k-1 is done. The step ends when both the backward and the last bucket are done.
     """
     _check_world(world_size)
     if not 0 < backward_fraction <= 1:
@@ -297,23 +302,19 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
         return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets))
     total = sum(buckets)
     backward = compute_s * backward_fraction
-    compute_clock = compute_s - backward
-    comm_clock = 0.0
+    ready = compute_s - backward
+    done = 0.0
     comm = encode = decode = sent = 0.0
-    timeline = []
     for numel in buckets:
-        enc = numel * codec.encode_s_per_elem
-        dec = numel * codec.decode_s_per_elem
+        ready += backward * numel / total
+        enc, dec = numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem
         wire = collective_s(numel, world_size, link, codec, algorithm)
-        compute_clock += backward * numel / total + enc
-        start = max(compute_clock, comm_clock)
-        comm_clock = start + wire + dec
-        timeline.append((compute_clock, start, comm_clock))
+        done = max(ready, done) + enc + wire + dec
         comm, encode, decode = comm + wire, encode + enc, decode + dec
-        sent += bytes_sent_per_rank(numel, world_size, codec)
-    step = max(compute_clock, comm_clock)
+        sent += payload_bytes(numel, codec)
+    step = max(compute_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
-                      step - compute_clock, sent, len(buckets), timeline)
+                      step - compute_s, sent, len(buckets))
 
 
 def estimate_compute_s(params: float, tokens_per_step: float, gpu: Gpu, mfu: float = 0.4) -> float:
@@ -323,13 +324,48 @@ def estimate_compute_s(params: float, tokens_per_step: float, gpu: Gpu, mfu: flo
     return 6 * params * tokens_per_step / (gpu.peak_flops * mfu)
 
 
-def memory_bound_codec_cost(wire_bits: float, collective: str, world_size: int,
-                            memory_bandwidth: float) -> tuple[float, float]:
-    """Per-element (encode, decode) seconds of a fused GPU codec limited by memory traffic.
+CODEC_COSTS = ("calibrate", "free")
 
-    Assumes encode reads the fp32 gradient twice (global max, then quantize) and writes the
-    payload; decode reads the payload (every rank's under allgather) and writes fp32.
+
+def profile_codec(codec, world_size: int, cost: str | Gpu = "calibrate",
+                  calibration_numel: int | None = None) -> CodecProfile:
+    """The model's view of a codec from netgain.comm.codecs at `world_size`.
+
+    cost: "calibrate" times encode/decode on this machine (netgain.comm.codecs.time_codec; for
+    the ring codec its decode includes the per-hop combines); a Gpu: a fused kernel limited by
+    memory traffic (see memory_bound_cost); "free": codec work costs nothing.
+    """
+    _check_world(world_size)
+    wire_bits = codec.wire_bits(world_size)
+    header = HEADER_BYTES if codec.needs_header else 0
+    name = codec.describe()
+    if isinstance(cost, Gpu):
+        enc, dec, comb = memory_bound_cost(wire_bits, codec.collective, world_size,
+                                           codec.needs_header, cost.memory_bandwidth)
+        return CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb)
+    if cost == "free":
+        return CodecProfile(name, wire_bits, codec.collective, header)
+    if cost != "calibrate":
+        raise ValueError(f"cost: must be a Gpu or one of {', '.join(CODEC_COSTS)}, got {cost!r}")
+    from netgain.comm.codecs import time_codec  # torch work, only when calibrating
+
+    numel = calibration_numel or max(2**14, 2**22 // world_size)
+    seconds = time_codec(codec, numel, world_size, repeats=3)
+    return CodecProfile(name, wire_bits, codec.collective, header,
+                        seconds["encode_s"] / numel, seconds["decode_s"] / numel)
+
+
+def memory_bound_cost(wire_bits: float, collective: str, world_size: int, needs_header: bool,
+                      memory_bandwidth: float) -> tuple[float, float, float]:
+    """Per-element (encode, decode, combine) seconds of fused GPU kernels bound by memory traffic.
+
+    Assumed traffic per element: encode reads the fp32 gradient (twice when a global max is taken
+    first) and writes the payload; decode reads the payload (all n under allgather) and writes
+    fp32; a ring combine reads two payloads and writes one.
     """
     payload = wire_bits / 8
     reads = world_size if collective == "allgather" else 1
-    return (2 * 4 + payload) / memory_bandwidth, (reads * payload + 4) / memory_bandwidth
+    encode = (4 * (2 if needs_header else 1) + payload) / memory_bandwidth
+    decode = (reads * payload + 4) / memory_bandwidth
+    combine = 3 * payload / memory_bandwidth if collective == "ring" else 0.0
+    return encode, decode, combine

@@ -1,0 +1,217 @@
+"""`netgain model`: predict, before a job starts, which gradient codec pays off on a network.
+
+Users' first complaint about gradient compression is that it does not speed anything up on their
+cluster. This runs the alpha-beta model of netgain.cost.network for every codec on the given
+model size, world size and fabric, prints step time, communication and speedup, and recommends
+the least lossy codec that comes within a tolerance of the fastest, which is "none" when nothing
+pays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from netgain.cost import network as net
+
+# every codec of netgain.comm.codecs at the settings a user would try first
+CANDIDATES = (
+    ("none", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("qsgd", {"bits": 8}),
+    ("gqsgd", {"bits": 8, "encoding": "int8"}),
+    ("gqsgd", {"bits": 8, "encoding": "packed"}),
+    ("gqsgd", {"bits": 4, "encoding": "packed"}),
+    ("gqsgd-exp", {"bits": 8}),
+    ("topk", {"ratio": 0.01}),
+    ("randomk", {"ratio": 0.01}),
+)
+GPU_CHOICES = (*net.GPUS, "cpu")
+
+
+@dataclass(frozen=True)
+class Row:
+    profile: net.CodecProfile
+    prediction: net.Prediction
+    speedup: float
+    unbiased: bool
+
+
+def count_parameters(model_dir: str) -> list[int]:
+    """Parameter sizes of a Hugging Face model folder, in registration order (DDP's bucket order).
+
+    Builds the architecture from config.json on the meta device (no weights read); folders whose
+    architecture transformers cannot build are counted from their safetensors headers instead.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"--model: {model_dir!r} is not a folder")
+    try:
+        return _meta_parameter_sizes(path)
+    except (ValueError, OSError, KeyError) as error:
+        sizes = _safetensors_sizes(path)
+        if not sizes:
+            raise ValueError(f"--model: {model_dir!r} has no buildable config.json "
+                             f"({error}) and no *.safetensors files") from error
+        return sizes
+
+
+def _meta_parameter_sizes(path: Path) -> list[int]:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            model = AutoModel.from_config(config)
+    return [p.numel() for p in model.parameters()]
+
+
+def _safetensors_sizes(path: Path) -> list[int]:
+    """Element counts from the JSON headers of *.safetensors files (8-byte length, then JSON)."""
+    sizes = []
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        sizes += [math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__"]
+    return sizes
+
+
+def resolve_link(args) -> tuple[net.Link, str]:
+    """The fabric from --link or --bandwidth/--latency, and the device usually attached to it."""
+    if args.bandwidth:
+        latency = net.parse_duration(args.latency) if args.latency else 30e-6
+        return net.Link("custom", net.parse_bandwidth(args.bandwidth), latency,
+                        f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
+    link = net.preset(args.link)
+    if args.latency:
+        link = net.Link(link.name, link.bandwidth, net.parse_duration(args.latency), link.note)
+    return link, net.preset_device(args.link)
+
+
+def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
+             cost, algorithm: str = "ring") -> list[Row]:
+    """Predict every candidate codec; codecs impossible at this world size are left out."""
+    from netgain.comm.codecs import make_codec
+
+    predictions = []
+    for name, params in CANDIDATES:
+        codec = make_codec(name, **params)
+        try:
+            profile = net.profile_codec(codec, world_size, cost)
+        except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
+            continue
+        predictions.append((profile, codec.unbiased,
+                            net.predict(buckets, world_size, link, profile, compute_s,
+                                        algorithm=algorithm)))
+    baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
+    return [Row(prof, p, baseline / p.step_s, unbiased) for prof, unbiased, p in predictions]
+
+
+def recommend(rows: list[Row], tolerance: float = 0.05) -> Row:
+    """The least lossy codec (most wire bits) within `tolerance` of the fastest step time."""
+    if tolerance < 0:
+        raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
+    best = min(r.prediction.step_s for r in rows)
+    close = [r for r in rows if r.prediction.step_s <= best * (1 + tolerance)]
+    return max(close, key=lambda r: (r.profile.wire_bits, -r.prediction.step_s))
+
+
+def format_table(rows: list[Row], chosen: Row) -> str:
+    head = ("| codec | bits/elem | collective | unbiased | payload MB/step | comm s | codec s "
+            "| exposed s | step s | speedup |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        p = r.prediction
+        mark = " **<-**" if r is chosen else ""
+        lines.append(
+            f"| {r.profile.name}{mark} | {r.profile.wire_bits:.2f} | {r.profile.collective} | "
+            f"{'yes' if r.unbiased else 'no'} | {p.payload_bytes / 1e6:.1f} | {p.comm_s:.4g} | "
+            f"{p.encode_s + p.decode_s:.4g} | {p.exposed_comm_s:.4g} | {p.step_s:.4g} | "
+            f"{r.speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
+    size.add_argument("--model", help="a Hugging Face model folder (config.json and/or *.safetensors)")
+    parser.add_argument("--workers", type=int, required=True, help="data-parallel world size")
+    parser.add_argument("--link", choices=tuple(net.PRESETS), default="25gbe",
+                        help="fabric preset (default 25gbe); see netgain.cost.network.PRESETS")
+    parser.add_argument("--bandwidth", help="custom link instead of --link: per-rank rate, "
+                        "e.g. 40gbit or 5GB/s")
+    parser.add_argument("--latency", help="per-message latency, e.g. 30us (default: the preset's, "
+                        "30us for --bandwidth)")
+    parser.add_argument("--gpu", choices=GPU_CHOICES,
+                        help="what each rank runs on: sets the compute estimate and the codec cost "
+                        "(default: the preset's, a100 for --bandwidth; cpu = this machine, as in "
+                        "the lab presets)")
+    parser.add_argument("--codec-cost", choices=("memory", *net.CODEC_COSTS),
+                        help="encode/decode cost: memory = fused GPU kernels bound by HBM traffic, "
+                        "calibrate = timed on this machine, free = zero (default: memory on a GPU, "
+                        "calibrate on cpu)")
+    parser.add_argument("--compute-ms", type=float, help="forward+backward ms per step and rank "
+                        "(default: 6 * params * tokens / (peak * mfu) on --gpu)")
+    parser.add_argument("--tokens-per-step", type=float, default=16384,
+                        help="tokens per rank and step for the compute estimate (default 16384)")
+    parser.add_argument("--mfu", type=float, default=0.4,
+                        help="model FLOPs utilisation for the compute estimate (default 0.4)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (default 25)")
+    parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="ring",
+                        help="allreduce algorithm of the backend (default ring)")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="recommend the least lossy codec within this fraction of the fastest "
+                        "(default 0.05)")
+
+
+def run(args) -> int:
+    if args.workers < 1:
+        raise SystemExit(f"--workers: must be >= 1, got {args.workers}")
+    link, device = resolve_link(args)
+    gpu = net.GPUS.get(args.gpu or device)
+    cost_name = args.codec_cost or ("memory" if gpu else "calibrate")
+    if cost_name == "memory" and gpu is None:
+        raise SystemExit("--codec-cost memory needs a GPU (--gpu a100|h100)")
+    cost = gpu if cost_name == "memory" else cost_name
+
+    sizes = count_parameters(args.model) if args.model else None
+    params = sum(sizes) if sizes else args.params
+    if not params or params < 1:
+        raise SystemExit(f"--params: must be >= 1, got {args.params}")
+    buckets = (net.ddp_buckets(sizes, args.bucket_mb) if sizes
+               else net.even_buckets(params, args.bucket_mb))
+    if args.compute_ms is not None:
+        compute_s, compute_note = args.compute_ms / 1e3, "given"
+    elif gpu is None:
+        raise SystemExit("--gpu cpu: give --compute-ms (no FLOP-rate estimate for CPUs)")
+    else:
+        compute_s = net.estimate_compute_s(params, args.tokens_per_step, gpu, args.mfu)
+        compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "
+                        f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
+
+    rows = evaluate(buckets, args.workers, link, compute_s, cost, args.algorithm)
+    chosen = recommend(rows, args.tolerance)
+    print(f"model: {params:.4g} parameters in {len(buckets)} buckets of <= {args.bucket_mb:g} MB; "
+          f"{args.workers} workers")
+    print(f"link: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per rank, "
+          f"{link.latency * 1e6:g} us, {args.algorithm} allreduce")
+    print(f"compute: {compute_s * 1e3:.4g} ms per step ({compute_note}); codec cost: {cost_name}"
+          f"{' (' + gpu.name + ' HBM)' if cost_name == 'memory' else ''}")
+    print()
+    print(format_table(rows, chosen))
+    print()
+    if chosen.profile.name == "none":
+        best = max(rows, key=lambda r: r.speedup)
+        print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster; "
+              f"best: {best.profile.name} at {best.speedup:.2f}x)")
+    else:
+        print(f"recommendation: {chosen.profile.name} "
+              f"({chosen.speedup:.2f}x the step speed of no compression)")
+    return 0

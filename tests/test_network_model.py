@@ -1,0 +1,198 @@
+"""The network performance model: collective formulas, bucket timeline, codec profiles, CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from netgain import advise, cli
+from netgain.comm.codecs import make_codec
+from netgain.cost import network as net
+
+MBIT100 = net.Link("100mbit", 100e6 / 8, 0.0)
+
+
+def test_ring_allreduce_matches_the_quoted_lab_model():
+    # resources.md: 25 MB fp32 at 100 Mbit/s, ring: 2.00 s for 2 workers, 3.00 s for 4
+    assert net.ring_allreduce_s(25e6, 2, MBIT100) == pytest.approx(2.0)
+    assert net.ring_allreduce_s(25e6, 4, MBIT100) == pytest.approx(3.0)
+    assert net.ring_allreduce_s(25e6, 2, net.Link("1g", 1e9 / 8, 0.0)) == pytest.approx(0.2)
+
+
+def test_alpha_terms_and_the_other_collectives():
+    link = net.Link("x", 1e6, 1e-3)
+    assert net.ring_allreduce_s(3e6, 3, link) == pytest.approx(2 * 2 * 1e-3 + 2 * 2 / 3 * 3)
+    assert net.tree_allreduce_s(1e6, 4, link) == pytest.approx(2 * 2 * (1e-3 + 1))
+    assert net.tree_allreduce_s(1e6, 5, link, combine_s=0.5) == pytest.approx(2 * 3 * 1.001 + 3 * 0.5)
+    assert net.allgather_s(1e6, 4, link) == pytest.approx(3 * (1e-3 + 1))
+    assert net.ring_combine_allreduce_s(3e6, 3, link, combine_s=0.3) == pytest.approx(
+        net.ring_allreduce_s(3e6, 3, link) + 2 * 0.3 / 3)
+    for f in (net.ring_allreduce_s, net.tree_allreduce_s, net.allgather_s):
+        assert f(1e6, 1, link) == 0.0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="world_size"):
+        net.ring_allreduce_s(1, 0, MBIT100)
+    with pytest.raises(ValueError, match="bandwidth"):
+        net.Link("x", 0, 0)
+    with pytest.raises(ValueError, match="collective"):
+        net.CodecProfile("x", 8, "broadcast")
+    with pytest.raises(ValueError, match="link"):
+        net.preset("infiniband")
+    with pytest.raises(ValueError, match="algorithm"):
+        net.collective_s(10, 2, MBIT100, net.UNCOMPRESSED, algorithm="butterfly")
+    with pytest.raises(ValueError, match="bandwidth"):
+        net.parse_bandwidth("fast")
+    with pytest.raises(ValueError, match="latency"):
+        net.parse_duration("30 parsecs")
+    with pytest.raises(ValueError, match="cost"):
+        net.profile_codec(make_codec("none"), 2, cost="guess")
+
+
+def test_parsers():
+    assert net.parse_bandwidth("25gbit") == pytest.approx(3.125e9)
+    assert net.parse_bandwidth("100mbit") == pytest.approx(12.5e6)
+    assert net.parse_bandwidth("12GB/s") == pytest.approx(12e9)
+    assert net.parse_duration("30us") == pytest.approx(30e-6)
+    assert net.parse_duration("1.5ms") == pytest.approx(1.5e-3)
+
+
+def test_presets_follow_their_documented_arithmetic():
+    assert net.preset("25gbe").bandwidth == pytest.approx(25e9 / 8 * 1448 / 1538)
+    assert net.preset("nvlink-a100").bandwidth == pytest.approx(240e9)
+    assert net.preset("pcie4").bandwidth == pytest.approx(0.8 * 31.5e9 / 2)
+    assert net.preset("lab-100mbit").bandwidth == pytest.approx(100e6 / 8 * 1448 / 1514)
+    assert net.preset_device("nvlink-h100") == "h100" and net.preset_device("lab-1gbit") == "cpu"
+
+
+def test_ddp_buckets_fill_in_reverse_order_with_a_small_first_bucket():
+    mb = 2**20 / 4  # elements per MiB of fp32
+    sizes = [int(0.5 * mb), int(0.5 * mb), int(0.75 * mb), int(0.75 * mb)]
+    # reverse: 0.75 (first cap 1 MiB: next 0.75 does not fit), then 0.75 + 0.5 + 0.5 under 2 MiB
+    assert net.ddp_buckets(sizes, bucket_mb=2, first_bucket_mb=1) == [sizes[3], sizes[2] + sizes[1] + sizes[0]]
+    # a tensor over the cap gets a bucket of its own
+    assert net.ddp_buckets([int(3 * mb), 10], bucket_mb=2, first_bucket_mb=1) == [10, int(3 * mb)]
+    even = net.even_buckets(1e8, bucket_mb=25)
+    assert sum(even) == 10**8 and even[0] == mb and max(even) == 25 * mb
+
+
+def test_overlap_hides_communication_that_fits_in_the_backward():
+    # two buckets of 100 elements, fp32: 400 bytes; n=2 ring moves 400 bytes per rank
+    link = net.Link("slow", 800.0, 0.0)  # 0.5 s per bucket
+    p = net.predict([100, 100], 2, link, compute_s=3.0)  # forward 1 s, backward 2 s
+    # bucket 1 ready at 2 s -> done 2.5; bucket 2 ready at 3 s -> done 3.5
+    assert p.step_s == pytest.approx(3.5)
+    assert p.exposed_comm_s == pytest.approx(0.5)
+    assert p.comm_s == pytest.approx(1.0)
+    assert p.payload_bytes == 800
+
+
+def test_communication_queues_behind_the_previous_bucket():
+    link = net.Link("slower", 400 / 1.5, 0.0)  # 1.5 s per bucket
+    p = net.predict([100, 100], 2, link, compute_s=3.0)
+    # bucket 1: 2.0 -> 3.5; bucket 2 waits for it: 3.5 -> 5.0
+    assert p.step_s == pytest.approx(5.0)
+    assert p.exposed_comm_s == pytest.approx(2.0)
+
+
+def test_codec_costs_header_and_compression_in_the_timeline():
+    link = net.Link("slow", 800.0, 0.0)
+    codec = net.CodecProfile("q8", 8.0, "allreduce", header_bytes=16,
+                             encode_s_per_elem=1e-3, decode_s_per_elem=2e-3)
+    p = net.predict([100], 2, link, codec, compute_s=0.0)
+    wire = (100 + 16) / 800  # payload 100 bytes + the 16-byte header allreduce
+    assert p.comm_s == pytest.approx(wire)
+    assert p.step_s == pytest.approx(0.1 + wire + 0.2)
+    assert p.payload_bytes == 116
+    assert net.predict([100], 1, link, codec, compute_s=2.0).step_s == 2.0
+
+
+def test_allgather_and_ring_codecs_use_their_collectives():
+    link = net.Link("x", 1000.0, 0.0)
+    gather = net.CodecProfile("g", 8.0, "allgather")
+    ring = net.CodecProfile("r", 8.0, "ring", combine_s_per_elem=0.01)
+    assert net.collective_s(1000, 4, link, gather) == pytest.approx(3 * 1.0)
+    assert net.collective_s(1000, 4, link, ring) == pytest.approx(2 * 3 / 4 * 1.0 + 3 / 4 * 10)
+
+
+def test_memory_bound_cost_and_compute_estimate():
+    enc, dec, comb = net.memory_bound_cost(8, "allreduce", 4, True, 1e12)
+    assert (enc, dec, comb) == pytest.approx((9e-12, 5e-12, 0.0))
+    enc, dec, comb = net.memory_bound_cost(8, "allgather", 4, True, 1e12)
+    assert dec == pytest.approx(8e-12)
+    assert net.memory_bound_cost(8, "ring", 4, True, 1e12)[2] == pytest.approx(3e-12)
+    gpu = net.Gpu("g", 1e15, 1e12)
+    assert net.estimate_compute_s(1e9, 1000, gpu, mfu=0.5) == pytest.approx(6e12 / 5e14)
+
+
+def test_profiles_of_real_codecs():
+    free = {name: net.profile_codec(make_codec(name, encoding="int8"), 4, "free")
+            for name in ("none", "fp16", "gqsgd", "qsgd", "gqsgd-exp")}
+    assert free["none"].wire_bits == 32 and free["none"].header_bytes == 0
+    assert free["fp16"].wire_bits == 16
+    assert free["gqsgd"].wire_bits == 8 and free["gqsgd"].header_bytes == net.HEADER_BYTES
+    assert free["qsgd"].collective == "allgather" and free["gqsgd-exp"].collective == "ring"
+    torch.manual_seed(0)
+    timed = net.profile_codec(make_codec("fp16"), 2, "calibrate", calibration_numel=4096)
+    assert timed.encode_s_per_elem > 0 and timed.decode_s_per_elem > 0
+
+
+def test_recommendation_is_none_on_nvlink_and_a_codec_on_a_slow_link():
+    buckets = net.even_buckets(1.25e8)
+    compute = net.estimate_compute_s(1.25e8, 16384, net.GPUS["h100"])
+    fast = advise.evaluate(buckets, 8, net.preset("nvlink-h100"), compute, net.GPUS["h100"])
+    assert advise.recommend(fast).profile.name == "none"
+    slow = advise.evaluate(buckets, 8, net.preset("10gbe"), compute, net.GPUS["a100"])
+    chosen = advise.recommend(slow)
+    assert chosen.profile.name != "none" and chosen.speedup > 1.05
+    assert {r.profile.name.split("(")[0] for r in slow} == {name for name, _ in advise.CANDIDATES}
+
+
+def test_cli_prints_every_codec_and_a_recommendation(capsys):
+    assert cli.main(["model", "--params", "7e9", "--workers", "64", "--link", "25gbe"]) == 0
+    out = capsys.readouterr().out
+    for name, params in advise.CANDIDATES:
+        assert make_codec(name, **params).describe() in out
+    assert "recommendation:" in out and "**<-**" in out
+    assert "7e+09 parameters" in out
+
+
+def test_cli_custom_link_cpu_and_no_compression(capsys):
+    assert cli.main(["model", "--params", "1e6", "--workers", "2", "--bandwidth", "400gbit",
+                     "--latency", "2us", "--gpu", "cpu", "--codec-cost", "free",
+                     "--compute-ms", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: no compression" in out
+    with pytest.raises(SystemExit, match="compute-ms"):
+        cli.main(["model", "--params", "1e6", "--workers", "2", "--link", "lab-1gbit"])
+
+
+def test_hf_model_folder_is_counted_from_its_config(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config.save_pretrained(tmp_path)
+    sizes = advise.count_parameters(str(tmp_path))
+    assert sum(sizes) == sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+def test_safetensors_only_folder_is_counted_from_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, tmp_path / "model.safetensors")
+    assert sorted(advise.count_parameters(str(tmp_path))) == [5, 12]
+    with pytest.raises(ValueError, match="--model"):
+        advise.count_parameters(str(tmp_path / "missing"))
+
+
+def test_speedups_are_relative_to_no_compression():
+    rows = advise.evaluate(net.even_buckets(1e7), 2, net.preset("lab-100mbit"), 0.5, "free")
+    base = next(r for r in rows if r.profile.name == "none")
+    assert base.speedup == 1.0
+    for r in rows:
+        assert r.speedup == pytest.approx(base.prediction.step_s / r.prediction.step_s)
+        assert math.isfinite(r.prediction.step_s)
