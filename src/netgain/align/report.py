@@ -1,0 +1,82 @@
+"""One row per model variant (dense, raw compressor, naive rounding, GAC) and the table that compares them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+from torch import nn
+
+from . import evaluate
+from .units import Unit, aligned_fraction, total_params
+
+
+@dataclass
+class Row:
+    variant: str
+    unit_params: int  # parameters in the compressible units at this variant's sizes
+    model_params: int
+    aligned_8: float
+    aligned_preferred: float
+    perplexity: float
+    measured_prefill_s: float
+    measured_decode_s: float
+    predicted: dict[str, dict[str, float]] = field(default_factory=dict)  # cost name -> {"prefill_s", "decode_s"}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate_variant(
+    variant: str,
+    model: nn.Module,
+    units: Sequence[Unit],
+    sizes: Mapping[str, int],
+    *,
+    costs: Mapping[str, object],
+    preferred_multiple: int,
+    seq_len: int,
+    eval_chunks,
+    repeats: int,
+) -> Row:
+    """Measure one variant: parameters, alignment, perplexity, measured and predicted latency."""
+    return Row(
+        variant=variant,
+        unit_params=total_params(units, sizes),
+        model_params=evaluate.parameter_count(model),
+        aligned_8=aligned_fraction(units, sizes, 8),
+        aligned_preferred=aligned_fraction(units, sizes, preferred_multiple),
+        perplexity=evaluate.perplexity(model, eval_chunks),
+        measured_prefill_s=evaluate.measure_prefill(model, seq_len, repeats=repeats),
+        measured_decode_s=evaluate.measure_decode(model, seq_len, repeats=2 * repeats),
+        predicted={
+            name: {
+                "prefill_s": evaluate.predicted_latency(model, cost, seq_len, seq_len),
+                "decode_s": evaluate.predicted_latency(model, cost, 1, seq_len + 1),
+            }
+            for name, cost in costs.items()
+        },
+    )
+
+
+def markdown(rows: Sequence[Row], budget: int, preferred_multiple: int, baseline: str = "dense") -> str:
+    """The comparison table; latency ratios are relative to the `baseline` row measured in the same run."""
+    base = next((r for r in rows if r.variant == baseline), rows[0])
+    cost_names = list(rows[0].predicted)
+    header = (
+        f"| variant | unit params | / budget | model params | aligned %8 | aligned %{preferred_multiple} | perplexity "
+        "| prefill ms (measured) | vs dense | decode ms (measured) | "
+        + " | ".join(f"prefill ms ({c}) | decode ms ({c})" for c in cost_names)
+        + " |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in rows:
+        predicted = " | ".join(
+            f"{r.predicted[c]['prefill_s'] * 1e3:.3f} | {r.predicted[c]['decode_s'] * 1e3:.3f}" for c in cost_names
+        )
+        lines.append(
+            f"| {r.variant} | {r.unit_params:,} | {r.unit_params / budget:.4f} | {r.model_params:,} | {100 * r.aligned_8:.0f}% "
+            f"| {100 * r.aligned_preferred:.0f}% | {r.perplexity:.3f} | {r.measured_prefill_s * 1e3:.1f} "
+            f"| {r.measured_prefill_s / base.measured_prefill_s:.3f} | {r.measured_decode_s * 1e3:.2f} | {predicted} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,57 @@
+"""What a compressor hands to GAC: independently sized units, each with a proposed size and a score.
+
+A unit is one thing whose size a compressor chooses: the rank of a factorised Linear, or (for a
+pruner) the width of an MLP or the head count of an attention block. GAC, the naive rounding
+baselines and the report only need to know, for any size, how many parameters the unit holds and
+which GEMMs it runs; they never look inside the compressor. By convention ``size == full`` means
+"leave the unit as it was" (a dense Linear, an unpruned MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A compressible unit: subclasses say how parameters and GEMMs depend on the size."""
+
+    name: str
+    proposed: int  # the compressor's own size d*
+    full: int  # the size that means "unchanged"
+    score: float  # importance s_i: value of one parameter kept in this unit
+
+    def params(self, size: int) -> int:
+        raise NotImplementedError
+
+    def gemms(self, size: int, tokens: int) -> list[tuple[int, int, int]]:
+        """The (M, K, N) products this unit runs for `tokens` tokens at this size."""
+        raise NotImplementedError
+
+
+class Compressor(Protocol):
+    """A post-training compressor GAC can wrap: calibrate, propose sizes and scores, rebuild at any sizes."""
+
+    def fit(self, model, batches, progress=None) -> None: ...
+
+    def propose(self, param_ratio: float) -> list[Unit]: ...
+
+    def apply(self, model, sizes: Mapping[str, int]) -> None: ...
+
+
+def total_params(units: Sequence[Unit], sizes: Mapping[str, int]) -> int:
+    return sum(u.params(sizes[u.name]) for u in units)
+
+
+def aligned_fraction(units: Sequence[Unit], sizes: Mapping[str, int], multiple: int) -> float:
+    """Share of units whose size is a multiple of `multiple` (unchanged units count with their full size)."""
+    return sum(sizes[u.name] % multiple == 0 for u in units) / len(units)
+
+
+def proposed_sizes(units: Sequence[Unit]) -> dict[str, int]:
+    return {u.name: u.proposed for u in units}
+
+
+def full_sizes(units: Sequence[Unit]) -> dict[str, int]:
+    return {u.name: u.full for u in units}

@@ -1,0 +1,193 @@
+"""ASVD low-rank compression, GAC selection, naive rounding and save/load on tiny random HF models."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config
+
+from netgain.align import evaluate, gac, load, save
+from netgain.align.lowrank import ASVD, LowRankLinear, LowRankUnit, rank_for_ratio
+from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params
+from netgain.cost.kernels import AnalyticCost
+
+CONFIGS = {
+    "llama": LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128
+    ),
+    "qwen2": Qwen2Config(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128
+    ),
+    "gemma3": Gemma3TextConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=128, sliding_window=16,
+    ),
+}
+
+
+def tiny(arch):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[arch])).eval()
+
+
+def batches(n=3, length=24, vocab=128):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fitted_llama():
+    model = tiny("llama")
+    compressor = ASVD()
+    compressor.fit(model, batches())
+    return model, compressor
+
+
+def test_factorisation_is_exact_for_a_weight_of_that_rank():
+    model = tiny("llama")
+    layer = model.model.layers[0].mlp.up_proj  # 64 -> 160
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 5) @ torch.randn(5, 64))
+    compressor = ASVD()
+    compressor.fit(model, batches())
+    name = "model.layers.0.mlp.up_proj"
+    x = torch.randn(7, 64)
+    expected = layer(x)
+    compressor.apply(model, {name: 5})
+    assert isinstance(model.get_submodule(name), LowRankLinear)
+    assert torch.allclose(model.get_submodule(name)(x), expected, atol=1e-4)
+    assert compressor.truncation_error(name, 5) < 1e-10
+
+
+def test_proposal_meets_the_parameter_ratio_with_asvd_ranks(fitted_llama):
+    _, compressor = fitted_llama
+    units = compressor.propose(0.85)
+    assert len(units) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    dense = total_params(units, full_sizes(units))
+    assert total_params(units, proposed_sizes(units)) <= 0.85 * dense
+    grid_ranks = lambda u: {rank_for_ratio(u.in_features, u.out_features, r) for r in (0.1 + 0.05 * i for i in range(18))}
+    for u in units:
+        assert u.proposed == u.full or u.proposed in grid_ranks(u)
+        assert u.score > 0
+
+
+def test_truncation_error_falls_with_rank(fitted_llama):
+    _, compressor = fitted_llama
+    name = "model.layers.1.self_attn.o_proj"
+    errors = [compressor.truncation_error(name, r) for r in (8, 16, 32, 64)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+class CliffCost:
+    """Fake cost: latency = work, except any GEMM touching size 24 is 10x slower (a cliff)."""
+
+    def gemm(self, m, k, n):
+        return m * k * n * (10 if 24 in (k, n) else 1)
+
+
+def unit(proposed=29, score=1.0, in_f=64, out_f=160):
+    return LowRankUnit("u", proposed, min(in_f, out_f), score, in_f, out_f)
+
+
+def test_cliffs_are_dropped_but_the_smallest_size_kept():
+    u = unit()
+    kept = gac.drop_cliffs(u, [8, 16, 24, 32, 40], CliffCost(), tokens=4)
+    assert kept == [8, 16, 32, 40]
+    assert gac.drop_cliffs(u, [24, 32], CliffCost(), tokens=4) == [24, 32]
+
+
+def test_dense_is_offered_only_where_factorising_does_not_pay():
+    # dense 64 x 160 = 10240 MACs per token; rank 40 costs 40 x 224 = 8960: factorising pays
+    assert 64 not in gac.unit_options(unit(proposed=40), CliffCost(), 4, multiple=8, steps=2)
+    # rank 45 costs 10080 but the unit's GEMMs at 24 are cliffs; at 45 > 10240? no: 45*224 = 10080 < 10240
+    assert 64 in gac.unit_options(unit(proposed=46), CliffCost(), 4, multiple=8, steps=2)  # 46*224 = 10304
+
+
+def test_gac_selection_is_aligned_and_within_the_raw_budget(fitted_llama):
+    _, compressor = fitted_llama
+    units = compressor.propose(0.85)
+    sizes = gac.select(units, AnalyticCost("a100"), tokens=64, multiple=8, steps=4)
+    assert aligned_fraction(units, sizes, 8) == 1.0
+    assert total_params(units, sizes) <= total_params(units, proposed_sizes(units))
+
+
+def test_gac_keeps_a_cliff_free_size_when_the_proposal_sits_on_a_cliff():
+    units = [unit(proposed=25, score=1.0), LowRankUnit("v", 40, 64, 0.5, 64, 160)]
+    sizes = gac.select(units, CliffCost(), tokens=4, multiple=8, steps=2)
+    assert sizes["u"] != 24 and sizes["u"] % 8 == 0
+    assert total_params(units, sizes) <= total_params(units, proposed_sizes(units))
+
+
+def test_naive_rounding():
+    units = [unit(proposed=29), unit(proposed=31), unit(proposed=64)]
+    units = [LowRankUnit(f"u{i}", u.proposed, u.full, u.score, 64, 160) for i, u in enumerate(units)]
+    assert list(gac.round_sizes(units, 8, "nearest").values()) == [32, 32, 64]
+    assert list(gac.round_sizes(units, 8, "down").values()) == [24, 24, 64]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gac.round_sizes(units, 8, "up")
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_save_load_round_trip_gives_identical_logits(arch, tmp_path):
+    model = tiny(arch)
+    compressor = ASVD()
+    compressor.fit(model, batches())
+    units = compressor.propose(0.7)
+    compressor.apply(model, gac.round_sizes(units, 8, "down"))
+    assert any(isinstance(m, LowRankLinear) for m in model.modules())
+    save(model, tmp_path / "out", method="asvd")
+    reloaded = load(tmp_path / "out")
+    ids = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+def test_load_rejects_a_directory_without_manifest(tmp_path):
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        load(tmp_path)
+
+
+def test_predicted_latency_counts_both_factors():
+    model = tiny("llama")
+    calls = []
+
+    class Recorder:
+        def gemm(self, m, k, n):
+            calls.append((m, k, n))
+            return 1.0
+
+        def sdpa(self, *args):
+            return 0.0
+
+    evaluate.predicted_latency(model, Recorder(), 8, 8)
+    dense_calls = len(calls)
+    assert dense_calls == 2 * 7 + 1  # 7 Linears per layer + the LM head
+    from netgain.align.lowrank import install
+
+    install(model, {"model.layers.0.mlp.up_proj": 8})
+    calls.clear()
+    evaluate.predicted_latency(model, Recorder(), 8, 8)
+    assert len(calls) == dense_calls + 1 and (8, 64, 8) in calls and (8, 8, 160) in calls
+
+
+def test_measurements_run_on_a_tiny_model():
+    model = tiny("qwen2")
+    assert evaluate.measure_prefill(model, 16, warmup=0, repeats=1) > 0
+    assert evaluate.measure_decode(model, 16, warmup=0, repeats=1) > 0
+    assert 1 < evaluate.perplexity(model, batches(2)) < 1e4
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="alpha must be in"):
+        ASVD(alpha=2)
+    with pytest.raises(RuntimeError, match="fit"):
+        ASVD().propose(0.8)
+    model = LlamaForCausalLM(CONFIGS["llama"])
+    compressor = ASVD()
+    compressor.fit(model, batches(1))
+    with pytest.raises(ValueError, match="param_ratio must be in"):
+        compressor.propose(1.5)
+    with pytest.raises(ValueError, match="rank for"):
+        compressor.apply(model, {"model.layers.0.mlp.up_proj": 0})
