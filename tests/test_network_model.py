@@ -69,14 +69,49 @@ def test_presets_follow_their_documented_arithmetic():
 
 
 def test_ddp_buckets_fill_in_reverse_order_with_a_small_first_bucket():
-    mb = 2**20 / 4  # elements per MiB of fp32
-    sizes = [int(0.5 * mb), int(0.5 * mb), int(0.75 * mb), int(0.75 * mb)]
-    # reverse: 0.75 (first cap 1 MiB: next 0.75 does not fit), then 0.75 + 0.5 + 0.5 under 2 MiB
-    assert net.ddp_buckets(sizes, bucket_mb=2, first_bucket_mb=1) == [sizes[3], sizes[2] + sizes[1] + sizes[0]]
-    # a tensor over the cap gets a bucket of its own
-    assert net.ddp_buckets([int(3 * mb), 10], bucket_mb=2, first_bucket_mb=1) == [10, int(3 * mb)]
+    mb = 2**20 // 4  # elements per MiB of fp32
+    sizes = [mb // 2, mb // 2, 3 * mb // 4, 3 * mb // 4]
+    # reverse: 0.75 + 0.75 reaches the 1 MiB first cap, then 0.5 + 0.5 stays open under 2 MiB
+    assert net.ddp_buckets(sizes, bucket_mb=2, first_bucket_mb=1) == [3 * mb // 2, mb]
+    assert net.ddp_buckets([3 * mb, 10], bucket_mb=2, first_bucket_mb=1) == [3 * mb + 10]
     even = net.even_buckets(1e8, bucket_mb=25)
     assert sum(even) == 10**8 and even[0] == mb and max(even) == 25 * mb
+
+
+def _ddp_rebuilt_buckets(model, **ddp_options) -> list[int]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, **ddp_options)
+    seen: list[int] = []
+
+    def record(state, bucket):
+        seen.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, record)
+    for _ in range(3):  # DDP rebuilds its buckets in ready order after the first step
+        seen.clear()
+        ddp(torch.randn(4, 300)).sum().backward()
+    return seen
+
+
+def test_ddp_buckets_match_pytorch_ddp(tmp_path):
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(300, 300) for _ in range(12)])
+    sizes = [p.numel() for p in model.parameters()]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        default = _ddp_rebuilt_buckets(model)  # 25 MB, first bucket 1 MiB
+        explicit = _ddp_rebuilt_buckets(model, bucket_cap_mb=1.5)  # an explicit cap: first too
+    finally:
+        dist.destroy_process_group()
+    assert default == net.ddp_buckets(sizes) and len(default) == 2
+    assert explicit == net.ddp_buckets(sizes, bucket_mb=1.5, first_bucket_mb=1.5) and len(explicit) == 3
 
 
 def test_overlap_hides_communication_that_fits_in_the_backward():

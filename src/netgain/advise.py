@@ -163,7 +163,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="tokens per rank and step for the compute estimate (default 16384)")
     parser.add_argument("--mfu", type=float, default=0.4,
                         help="model FLOPs utilisation for the compute estimate (default 0.4)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (default 25)")
+    parser.add_argument("--bucket-mb", type=float,
+                        help="DDP bucket_cap_mb (default: DDP's 25, with its 1 MiB first bucket)")
     parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="ring",
                         help="allreduce algorithm of the backend (default ring)")
     parser.add_argument("--tolerance", type=float, default=0.05,
@@ -185,8 +186,11 @@ def run(args) -> int:
     params = sum(sizes) if sizes else args.params
     if not params or params < 1:
         raise SystemExit(f"--params: must be >= 1, got {args.params}")
-    buckets = (net.ddp_buckets(sizes, args.bucket_mb) if sizes
-               else net.even_buckets(params, args.bucket_mb))
+    # like DDP: the small first bucket only with the default cap
+    bucket_mb = args.bucket_mb or 25.0
+    first_mb = bucket_mb if args.bucket_mb else 1.0
+    buckets = (net.ddp_buckets(sizes, bucket_mb, first_mb) if sizes
+               else net.even_buckets(params, bucket_mb, first_mb))
     if args.compute_ms is not None:
         compute_s, compute_note = args.compute_ms / 1e3, "given"
     elif gpu is None:
@@ -198,7 +202,7 @@ def run(args) -> int:
 
     rows = evaluate(buckets, args.workers, link, compute_s, cost, args.algorithm)
     chosen = recommend(rows, args.tolerance)
-    print(f"model: {params:.4g} parameters in {len(buckets)} buckets of <= {args.bucket_mb:g} MB; "
+    print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
     print(f"link: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per rank, "
           f"{link.latency * 1e6:g} us, {args.algorithm} allreduce")

@@ -227,21 +227,21 @@ def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
                 first_bucket_mb: float = 1.0, bytes_per_elem: int = 4) -> list[int]:
     """Group gradients into DDP-style buckets, in the order they become ready.
 
-    `tensor_numels` lists parameters in forward (registration) order; DDP fills buckets in reverse
-    order up to `bucket_mb` (the first, earliest-ready bucket only up to `first_bucket_mb`); a
-    tensor larger than the cap gets a bucket of its own. Returns element counts per bucket.
+    `tensor_numels` lists parameters in forward (registration) order; gradients become ready in
+    reverse. Like DDP's rebuilt buckets (reducer.cpp, compute_bucket_assignment_by_size), a tensor
+    joins the open bucket, which closes once it reaches its cap: `first_bucket_mb` for the first
+    (earliest-ready) bucket, `bucket_mb` after. Returns element counts per bucket.
     """
     if bucket_mb <= 0 or first_bucket_mb <= 0:
         raise ValueError(f"bucket_mb/first_bucket_mb: must be > 0, got {bucket_mb}/{first_bucket_mb}")
-    caps = [first_bucket_mb * 2**20 / bytes_per_elem, bucket_mb * 2**20 / bytes_per_elem]
+    caps = [first_bucket_mb * 2**20, bucket_mb * 2**20]
     buckets: list[int] = []
     current = 0
     for numel in reversed(tensor_numels):
-        cap = caps[0] if not buckets else caps[1]
-        if current and current + numel > cap:
+        current += numel
+        if current * bytes_per_elem >= caps[min(len(buckets), 1)]:
             buckets.append(current)
             current = 0
-        current += numel
     if current:
         buckets.append(current)
     return buckets
@@ -328,12 +328,11 @@ CODEC_COSTS = ("calibrate", "free")
 
 
 def profile_codec(codec, world_size: int, cost: str | Gpu = "calibrate",
-                  calibration_numel: int | None = None) -> CodecProfile:
+                  calibration_numel: int | None = None, threads: int | None = None) -> CodecProfile:
     """The model's view of a codec from netgain.comm.codecs at `world_size`.
 
-    cost: "calibrate" times encode/decode on this machine (netgain.comm.codecs.time_codec; for
-    the ring codec its decode includes the per-hop combines); a Gpu: a fused kernel limited by
-    memory traffic (see memory_bound_cost); "free": codec work costs nothing.
+    cost: "calibrate" times encode/decode on this machine (see calibrate_codec); a Gpu: a fused
+    kernel limited by memory traffic (see memory_bound_cost); "free": codec work costs nothing.
     """
     _check_world(world_size)
     wire_bits = codec.wire_bits(world_size)
@@ -347,12 +346,30 @@ def profile_codec(codec, world_size: int, cost: str | Gpu = "calibrate",
         return CodecProfile(name, wire_bits, codec.collective, header)
     if cost != "calibrate":
         raise ValueError(f"cost: must be a Gpu or one of {', '.join(CODEC_COSTS)}, got {cost!r}")
-    from netgain.comm.codecs import time_codec  # torch work, only when calibrating
-
     numel = calibration_numel or max(2**14, 2**22 // world_size)
-    seconds = time_codec(codec, numel, world_size, repeats=3)
-    return CodecProfile(name, wire_bits, codec.collective, header,
-                        seconds["encode_s"] / numel, seconds["decode_s"] / numel)
+    enc, dec = calibrate_codec(codec, numel, world_size, threads)
+    return CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)
+
+
+def calibrate_codec(codec, numel: int, world_size: int, threads: int | None = None,
+                    rounds: int = 3) -> tuple[float, float]:
+    """Encode and decode seconds for one `numel` bucket, timed here with netgain.comm.codecs.
+
+    `threads`: torch threads while timing (a lab worker's share of the cores); the fastest of
+    `rounds` medians, since other load on the machine only ever adds time. For the ring codec
+    the decode includes its n-1 per-hop combines.
+    """
+    import torch  # torch work only when calibrating
+
+    from netgain.comm.codecs import time_codec
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        runs = [time_codec(codec, numel, world_size, repeats=3) for _ in range(rounds)]
+    finally:
+        torch.set_num_threads(previous)
+    return min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
 
 
 def memory_bound_cost(wire_bits: float, collective: str, world_size: int, needs_header: bool,

@@ -1,0 +1,196 @@
+"""Validate netgain's network model against `netgain train` on the throttled-network lab.
+
+Why: a model that recommends codecs is only worth its measured error. For every world size the
+compute-bound limit is measured first (no rate limit, no compression: median per-step time minus
+the hook's wait for the network); then each (rate, codec) row trains a few steps on the lab and
+its median step time is compared with netgain.cost.network.predict for the same model buckets,
+world size, link (the lab preset: tbf rate x TCP payload share, 100 us per message) and codec
+(encode/decode timed on this machine).
+
+    python bench/model_validation.py                         # default grid, about 10 minutes
+    python bench/model_validation.py --workers 2 --rates 100mbit --codecs none gqsgd:8:int8
+Writes bench/results/model_validation.{md,csv} (root needed for the lab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
+
+from netgain.comm.codecs import make_codec  # noqa: E402
+from netgain.cost import network as net  # noqa: E402
+
+SKIP_STEPS = 2  # the first steps build DDP's buckets and warm the allocator
+PRESET_OF_RATE = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}
+DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "qsgd:8", "gqsgd-exp:8")
+
+
+def parse_codec(spec: str) -> tuple[str, dict]:
+    """'gqsgd:8:int8' -> ('gqsgd', {'bits': 8, 'encoding': 'int8'}); 'topk:0.01' -> ratio."""
+    name, *rest = spec.split(":")
+    params: dict = {}
+    for value in rest:
+        if value in ("int8", "packed"):
+            params["encoding"] = value
+        elif "." in value:
+            params["ratio"] = float(value)
+        else:
+            params["bits"] = int(value)
+    make_codec(name, **params)  # validates
+    return name, params
+
+
+def threads_per_worker(workers: int) -> int:
+    """The lab's workers share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def train_on_lab(workers: int, rate: str | None, name: str, params: dict, steps: int,
+                 train_args: list[str]) -> dict:
+    """Run `netgain train` with one rank per lab namespace; rank 0's record.json."""
+    out = tempfile.mkdtemp(prefix="netgain-validation-")
+    cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
+           "--eval-every", "0", "--out", out, *train_args]
+    for key, value in params.items():
+        cmd += [f"--{key}", str(value)]
+    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
+    with Lab(workers, rate) as lab:
+        codes = lab.run(cmd, extra_env=env, timeout=900, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+    if any(codes):
+        raise RuntimeError(f"netgain train failed on the lab ({codes}): {' '.join(cmd)}")
+    return json.loads((Path(out) / "record.json").read_text())
+
+
+def measured(record: dict) -> dict:
+    steps = record["per_step"]
+    keep = slice(SKIP_STEPS, None)
+    return {
+        "step_s": statistics.median(steps["step_s"][keep]),
+        "comm_s": statistics.median(steps["comm_s"][keep]),
+        "wait_s": statistics.median(steps["wait_s"][keep]),
+        "wire_bytes": statistics.median(steps["wire_bytes"][keep]),
+        "compute_s": statistics.median(s - w for s, w in zip(steps["step_s"][keep], steps["wait_s"][keep])),
+    }
+
+
+def model_buckets(train_args: list[str]) -> list[int]:
+    """The DDP buckets of the job's model (the default `netgain train` lm model unless overridden)."""
+    from netgain import models
+
+    opts = argparse.ArgumentParser(add_help=False)
+    opts.add_argument("--hidden-size", type=int, default=192)
+    opts.add_argument("--layers", type=int, default=4)
+    opts.add_argument("--seq-len", type=int, default=128)
+    known, _ = opts.parse_known_args(train_args)
+    model = models.byte_llama(known.hidden_size, known.layers, known.seq_len)
+    return net.ddp_buckets([p.numel() for p in model.parameters()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--rates", nargs="+", default=list(PRESET_OF_RATE), choices=list(PRESET_OF_RATE))
+    parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
+                        help="name[:bits][:int8|packed][:ratio], e.g. gqsgd:8:int8, topk:0.01")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", default=str(HERE / "results" / "model_validation"))
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- extra `netgain train` options (model size, batch size)")
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    codecs = [parse_codec(spec) for spec in args.codecs]
+    buckets = model_buckets(train_args)
+
+    rows = []
+    try:
+        with terminate_on_signals():
+            for n in args.workers:
+                limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
+                print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, compute {limit['compute_s']:.3f} s",
+                      flush=True)
+                for name, params in codecs:
+                    profile = net.profile_codec(make_codec(name, **params), n, "calibrate",
+                                                calibration_numel=max(buckets),
+                                                threads=threads_per_worker(n))
+                    for rate in args.rates:
+                        m = measured(train_on_lab(n, rate, name, params, args.steps, train_args))
+                        p = net.predict(buckets, n, net.preset(PRESET_OF_RATE[rate]), profile,
+                                        limit["compute_s"])
+                        rows.append({"workers": n, "rate": rate, "codec": profile.name,
+                                     "compute_s": limit["compute_s"],
+                                     "measured_step_s": m["step_s"], "predicted_step_s": p.step_s,
+                                     "error": (p.step_s - m["step_s"]) / m["step_s"],
+                                     "measured_comm_s": m["comm_s"], "predicted_comm_s": p.comm_s,
+                                     "predicted_codec_s": p.encode_s + p.decode_s,
+                                     "measured_wire_bytes": m["wire_bytes"],
+                                     "predicted_wire_bytes": p.payload_bytes})
+                        r = rows[-1]
+                        print(f"  {rate} {profile.name}: measured {r['measured_step_s']:.3f} s, "
+                              f"predicted {r['predicted_step_s']:.3f} s ({r['error']:+.1%})", flush=True)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e}); lab torn down", file=sys.stderr)
+        return 130
+    write_results(rows, args, train_args, len(buckets), sum(buckets))
+    return 0
+
+
+def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int, params: int) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    errors = sorted(rows, key=lambda r: -abs(r["error"]))
+    median = statistics.median(abs(r["error"]) for r in rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
+                        "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
+                        *(["--", *train_args] if train_args else [])])
+    lines = [
+        "# Network model vs `netgain train` on the throttled-network lab",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by all workers, no GPU; "
+        f"commit {commit}.",
+        f"Command: `{command}`",
+        f"Job: default `netgain train` lm model ({params:,} parameters, {n_buckets} DDP buckets), "
+        f"{args.steps} steps, medians over steps {SKIP_STEPS}..{args.steps - 1}.",
+        "Prediction: netgain.cost.network.predict with the lab presets, the compute-bound limit "
+        "measured per world size (no limit, no compression: step minus network wait), "
+        "codec encode/decode timed on this machine.",
+        "",
+        "| workers | rate | codec | measured step s | predicted step s | error | measured comm s "
+        "| predicted comm s | predicted codec s | wire bytes measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workers']} | {r['rate']} | {r['codec']} | {r['measured_step_s']:.3f} | "
+            f"{r['predicted_step_s']:.3f} | {r['error']:+.1%} | {r['measured_comm_s']:.3f} | "
+            f"{r['predicted_comm_s']:.3f} | {r['predicted_codec_s']:.3f} | "
+            f"{r['measured_wire_bytes']:,.0f} / {r['predicted_wire_bytes']:,.0f} |")
+    lines += ["", f"Median |predicted - measured| / measured: **{median:.1%}** over {len(rows)} rows.",
+              "Worst rows: " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
+                                         f"{r['error']:+.1%}" for r in errors[:3]) + ".",
+              f"Lab namespaces left (`ip netns list`): {len(list_lab_namespaces())}.", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
