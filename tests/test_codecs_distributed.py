@@ -13,7 +13,7 @@ from netgain.comm import quantize as Q
 from distributed import run
 
 NUMEL = 4000
-TRIALS = 40
+TRIALS = 24
 CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("qsgd", {"bits": 4}),
           ("gqsgd", {"bits": 8, "encoding": "int8"}), ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}),
           ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}), ("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05})]

@@ -38,28 +38,15 @@ class PlanMismatchError(RuntimeError):
     """Ranks tried to aggregate one bucket with different codecs; raised on every rank."""
 
 
-class _Bucket:
-    """Per-bucket state: this rank's rounding RNG, EF21 buffers, and the parameter layout."""
-
-    def __init__(self, numel: int, generator: torch.Generator, layout: dict[str, tuple[int, int]]):
-        self.numel, self.generator, self.layout = numel, generator, layout
-        self.feedback: EF21 | None = None
-
-
-def _pieces(bucket: _Bucket) -> dict[str, dict[str, torch.Tensor]]:
-    if bucket.feedback is None:
-        return {}
-    return {key: {"local": bucket.feedback.local[offset:offset + numel].clone(),
-                  "shared": bucket.feedback.shared[offset:offset + numel].clone()}
-            for key, (offset, numel) in bucket.layout.items()}
-
-
 class CommState:
-    """Hyperparameters, per-bucket state and statistics of the netgain hook.
+    """Hyperparameters, per-parameter state and statistics of the netgain hook.
 
-    Holds no process group: `state_dict()` / `load_state_dict()` carry the step counter, every
-    bucket's RNG state and EF21 buffers (stored per parameter, so they survive DDP rebuilding
-    its buckets and resuming with a different bucket layout).
+    Codecs work per parameter inside a bucket (a scale, an RNG stream and EF21 buffers per
+    parameter, one collective per bucket), so nothing depends on how DDP groups parameters into
+    buckets: state survives DDP rebuilding its buckets after the first step, and a resumed run
+    (whose first step uses DDP's initial layout again) reproduces an uninterrupted one exactly.
+    Holds no process group: `state_dict()` / `load_state_dict()` carry the step counter and every
+    parameter's RNG state and EF21 buffers.
     """
 
     def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None,
@@ -76,9 +63,8 @@ class CommState:
         self.step = 0
         self.last_step: dict = {}
         self.history: list[dict] = []
-        self._buckets: dict[int, _Bucket] = {}
-        self._pending_feedback: dict[str, dict[str, torch.Tensor]] = {}
-        self._pending_rng: dict[int, torch.Tensor] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._feedback: dict[str, EF21] = {}
         self._records: list[dict] = []
         self._last_submit = 0.0
         self._link: Link | None = None
@@ -138,53 +124,76 @@ class CommState:
 
     def _aggregate(self, index: int, x: torch.Tensor, layout) -> torch.Tensor:
         link, n = self._link, self._link.world_size
-        bucket = self._bucket(index, x, layout)
         codec = self.codec_for(index, x.numel())
-        ctx = Context(n, bucket.generator, shared_seed=hash((self.seed, index, self.step)) & 0x7FFFFFFF)
-        if codec.uses_feedback:
-            bucket.feedback = bucket.feedback or EF21(x.numel(), x.device)
-            ctx.feedback = bucket.feedback
         bytes_before, seconds_before = link.bytes_sent, link.seconds
+        seconds = {"encode_s": 0.0, "decode_s": 0.0}
+        # codecs with per-parameter state see one segment per parameter; the casts see the bucket
+        segments = layout if codec.needs_header else {"bucket": (0, x.numel())}
+        contexts = {key: self._context(key, k, codec, x.device) for key, (_, k) in segments.items()}
 
+        nonfinite = False
         if codec.needs_header:
-            absmax = x.abs().max().to(torch.float32)
-            finite = bool(torch.isfinite(absmax))
+            maxes = torch.stack([x[o:o + k].abs().max() for o, k in segments.values()]).to(torch.float32)
+            finite = torch.isfinite(maxes)
             signature = self.plan_signature(index, codec)
-            header = torch.tensor([float(absmax) if finite else 0.0, 0.0 if finite else 1.0, signature, -signature],
-                                  device=x.device)
+            header = torch.cat([torch.where(finite, maxes, torch.zeros_like(maxes)),
+                                torch.tensor([0.0 if bool(finite.all()) else 1.0, signature, -signature], device=x.device)])
             link.allreduce(header, dist.ReduceOp.MAX)
-            if header[2] != -header[3]:
+            if header[-2] != -header[-1]:
                 raise PlanMismatchError(f"bucket {index}: ranks chose different codecs (this rank: {codec.describe()})")
-            nonfinite, ctx.scale = bool(header[1] > 0), float(header[0])
-        else:
-            nonfinite = False
+            nonfinite = bool(header[-3] > 0)
+            for ctx, scale in zip(contexts.values(), header[:-3].tolist()):
+                ctx.scale = scale or 1.0  # an all-zero parameter: codes are all zero whatever the scale
 
         if nonfinite:
             out = self._nonfinite(index, x, layout, link)
-        elif codec.needs_header and ctx.scale == 0.0:
-            out = torch.zeros_like(x)  # every rank's bucket is all zeros
         else:
-            payload = codec.encode(x, ctx)
+            payloads = [codec.encode(x[o:o + k], contexts[key]) for key, (o, k) in segments.items()]
+            payload = torch.cat(payloads, dim=-1) if len(payloads) > 1 else payloads[0]
             if codec.collective == "allreduce":
                 aggregated = link.allreduce(payload)
             elif codec.collective == "allgather":
                 aggregated = link.allgather(payload)
             else:
-                aggregated = link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, ctx))
-            out = codec.decode(aggregated, x.numel(), ctx)
+                combine_ctx = next(iter(contexts.values()))
+                aggregated = link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, combine_ctx))
+            parts = aggregated.split([p.shape[-1] for p in payloads], dim=-1)
+            out = torch.zeros_like(x)
+            for part, (key, (o, k)) in zip(parts, segments.items()):
+                out[o:o + k] = codec.decode(part, k, contexts[key])
             if not codec.needs_header and not bool(torch.isfinite(out).all()):
                 # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
                 if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
                     out = self._nonfinite(index, x, layout, link)
-            elif codec is _UNCOMPRESSED and bucket.feedback is not None:
-                bucket.feedback.sync(x, out)  # warm-up: the EF21 estimates become exact
+            elif codec is _UNCOMPRESSED and self.codec.uses_feedback:
+                for key, (o, k) in layout.items():  # warm-up: the EF21 estimates become exact
+                    self._feedback_for(key, k, x.device).sync(x[o:o + k], out[o:o + k])
+        for ctx in contexts.values():
+            for key in seconds:
+                seconds[key] += ctx.seconds[key]
 
         self._records.append({
             "index": index, "numel": x.numel(), "codec": codec.describe(),
             "wire_bytes": link.bytes_sent - bytes_before, "raw_bytes": 4 * x.numel(),
-            "comm_s": link.seconds - seconds_before, **ctx.seconds,
+            "comm_s": link.seconds - seconds_before, **seconds,
         })
         return out
+
+    def _context(self, key: str, numel: int, codec: Codec, device) -> Context:
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = self._generators[key] = torch.Generator(device=device).manual_seed(
+                zlib.crc32(f"{self.seed}:{self._link.rank}:{key}".encode()))
+        ctx = Context(self._link.world_size, generator,
+                      shared_seed=zlib.crc32(f"{self.seed}:{key}:{self.step}".encode()))
+        if codec.uses_feedback:
+            ctx.feedback = self._feedback_for(key, numel, device)
+        return ctx
+
+    def _feedback_for(self, key: str, numel: int, device) -> EF21:
+        if key not in self._feedback:
+            self._feedback[key] = EF21(numel, device)
+        return self._feedback[key]
 
     def _nonfinite(self, index, x, layout, link) -> torch.Tensor:
         if self.nonfinite == "raise":
@@ -204,61 +213,34 @@ class CommState:
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
 
-    # ---- per-bucket state, re-created when DDP rebuilds its buckets --------------------------
+    # ---- bucket layout ---------------------------------------------------------------------
     def _layout(self, bucket: dist.GradBucket) -> dict[str, tuple[int, int]]:
         """parameter key -> (offset, numel) inside the bucket's flat buffer."""
         base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
-        return {self._key(p): ((g.data_ptr() - base) // size, g.numel())
+        return {self.param_names.get(id(p), f"param{id(p)}"): ((g.data_ptr() - base) // size, g.numel())
                 for p, g in zip(bucket.parameters(), bucket.gradients())}
 
-    def _key(self, param: torch.Tensor) -> str:
-        return self.param_names.get(id(param), f"id{id(param)}")
-
-    def _bucket(self, index: int, x: torch.Tensor, layout) -> _Bucket:
-        bucket = self._buckets.get(index)
-        if bucket is not None and bucket.layout == layout:
-            return bucket
-        if bucket is not None:
-            self._pending_feedback.update(_pieces(bucket))
-            generator = bucket.generator
-        else:
-            generator = torch.Generator(device=x.device).manual_seed(self.seed * 1_000_003 + self._link.rank * 7_919 + index)
-            if index in self._pending_rng:
-                generator.set_state(self._pending_rng.pop(index))
-        available = self._feedback_by_param()
-        bucket = self._buckets[index] = _Bucket(x.numel(), generator, layout)
-        if available.keys() & layout.keys():
-            bucket.feedback = EF21(x.numel(), x.device)
-            for key, (offset, numel) in layout.items():
-                if key in available:
-                    bucket.feedback.local[offset:offset + numel] = available[key]["local"]
-                    bucket.feedback.shared[offset:offset + numel] = available[key]["shared"]
-                self._pending_feedback.pop(key, None)
-        return bucket
-
-    def _feedback_by_param(self) -> dict[str, dict[str, torch.Tensor]]:
-        """EF21 buffers cut per parameter: pending (from a checkpoint or a replaced bucket), then live."""
-        pieces = dict(self._pending_feedback)
-        for bucket in self._buckets.values():
-            pieces.update(_pieces(bucket))
-        return pieces
-
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             "codec": self.codec.describe(),
-            "rng": {index: b.generator.get_state() for index, b in self._buckets.items()},
-            "feedback": self._feedback_by_param(),
+            "rng": {key: {"device": str(g.device), "state": g.get_state()} for key, g in self._generators.items()},
+            "feedback": {key: ef.state_dict() for key, ef in self._feedback.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state["codec"] != self.codec.describe():
             raise ValueError(f"checkpoint was saved with codec {state['codec']}, this state uses {self.codec.describe()}")
         self.step = state["step"]
-        self._buckets = {}
-        self._pending_feedback = dict(state["feedback"])
-        self._pending_rng = dict(state["rng"])
+        self._generators = {}
+        for key, rng in state["rng"].items():
+            self._generators[key] = torch.Generator(device=rng["device"])
+            self._generators[key].set_state(rng["state"])
+        self._feedback = {}
+        for key, buffers in state["feedback"].items():
+            self._feedback[key] = EF21(buffers["local"].numel(), buffers["local"].device)
+            self._feedback[key].load_state_dict(buffers)
 
     def __getstate__(self):
         state = dict(self.__dict__)
