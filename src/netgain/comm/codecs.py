@@ -185,7 +185,7 @@ class GlobalQSGD(Codec):
             codes = Q.stochastic_round(x * (levels / ctx.scale), ctx.generator)
             if self.encoding == "int8":
                 return codes.to(torch.int8)
-            return Q.pack((codes + levels).to(torch.int64), levels, ctx.world_size)
+            return Q.pack((codes + levels).to(torch.int32), levels, ctx.world_size)
 
     def decode(self, aggregated, numel, ctx):
         with ctx.timed("decode_s"):

@@ -65,16 +65,20 @@ def pack(offset_codes: torch.Tensor, levels: int, world_size: int) -> torch.Tens
     numel = offset_codes.numel()
     padded = torch.zeros(math.ceil(numel / per_word) * per_word, dtype=dtype, device=offset_codes.device)
     padded[:numel] = offset_codes
-    shifts = torch.arange(per_word, dtype=dtype, device=offset_codes.device) * width
-    return (padded.view(-1, per_word) << shifts).sum(dim=1, dtype=dtype)
+    fields = padded.view(-1, per_word)
+    words = fields[:, 0].clone()
+    for j in range(1, per_word):  # a few whole-tensor ops beat a reduction over a tiny axis
+        words |= fields[:, j] << (width * j)
+    return words
 
 
 def unpack(words: torch.Tensor, levels: int, world_size: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack` for summed words: the per-field sums, first ``numel`` of them."""
     dtype, width, per_word = word_layout(levels, world_size)
-    shifts = torch.arange(per_word, dtype=dtype, device=words.device) * width
-    fields = (words.view(-1, 1) >> shifts) & ((1 << width) - 1)
-    return fields.reshape(-1)[:numel]
+    fields = torch.empty((words.numel(), per_word), dtype=dtype, device=words.device)
+    for j in range(per_word):
+        torch.bitwise_and(words >> (width * j), (1 << width) - 1, out=fields[:, j])
+    return fields.view(-1)[:numel]
 
 
 def packed_bits_per_element(levels: int, world_size: int) -> float:
