@@ -34,12 +34,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from netgain.cost.network import parse_bandwidth
+
 NAME_PREFIX = "nglab"
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
 BURST_SMALL = 256 * 1024      # bytes; enough for <= 100 Mbit/s
 BURST_1GBIT_S = 0.008         # seconds of traffic at the rate: 1 MB at 1 Gbit/s
-_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
 
 class LabError(RuntimeError):
@@ -47,17 +48,13 @@ class LabError(RuntimeError):
 
 
 def parse_rate(rate: str | float | int | None) -> float | None:
-    """Bits per second from '100mbit', '1gbit', '500kbit', a number of bit/s, or None/'none'."""
+    """Bits per second from '100mbit', '1gbit', '12MB/s', a number of bit/s, or None/'none'."""
     if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited")):
         return None
-    if isinstance(rate, (int, float)):
-        value = float(rate)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", rate.lower())
-        if not m or m.group(2) not in _RATE_UNITS:
-            raise ValueError(f"rate: cannot parse {rate!r}; use e.g. '100mbit', '1gbit', "
-                             f"'500kbit' (units {', '.join(_RATE_UNITS)}) or 'none'")
-        value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    try:
+        value = float(rate) if isinstance(rate, (int, float)) else 8 * parse_bandwidth(rate)
+    except ValueError as error:
+        raise ValueError(f"rate: {error}; or 'none' for no limit") from None
     if value <= 0:
         raise ValueError(f"rate: must be positive, got {rate!r}")
     return value

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     buckets = model_buckets(train_args)
 
     rows = []
+    load_before = os.getloadavg()[1]
     try:
         with terminate_on_signals():
             for n in args.workers:
@@ -128,27 +129,35 @@ def main(argv: list[str] | None = None) -> int:
                                                 threads=threads_per_worker(n))
                     for rate in args.rates:
                         m = measured(train_on_lab(n, rate, name, params, args.steps, train_args))
-                        p = net.predict(buckets, n, net.preset(PRESET_OF_RATE[rate]), profile,
-                                        limit["compute_s"])
+                        link = net.preset(PRESET_OF_RATE[rate])
+                        p = net.predict(buckets, n, link, profile, limit["compute_s"])
+                        own = net.predict(buckets, n, link, profile, m["compute_s"])
                         rows.append({"workers": n, "rate": rate, "codec": profile.name,
-                                     "compute_s": limit["compute_s"],
+                                     "limit_compute_s": limit["compute_s"],
+                                     "row_compute_s": m["compute_s"],
                                      "measured_step_s": m["step_s"], "predicted_step_s": p.step_s,
                                      "error": (p.step_s - m["step_s"]) / m["step_s"],
+                                     "predicted_step_own_compute_s": own.step_s,
+                                     "error_own_compute": (own.step_s - m["step_s"]) / m["step_s"],
                                      "measured_comm_s": m["comm_s"], "predicted_comm_s": p.comm_s,
                                      "predicted_codec_s": p.encode_s + p.decode_s,
                                      "measured_wire_bytes": m["wire_bytes"],
                                      "predicted_wire_bytes": p.payload_bytes})
                         r = rows[-1]
                         print(f"  {rate} {profile.name}: measured {r['measured_step_s']:.3f} s, "
-                              f"predicted {r['predicted_step_s']:.3f} s ({r['error']:+.1%})", flush=True)
+                              f"predicted {r['predicted_step_s']:.3f} s ({r['error']:+.1%}), "
+                              f"from its own compute {own.step_s:.3f} s "
+                              f"({r['error_own_compute']:+.1%})", flush=True)
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}); lab torn down", file=sys.stderr)
         return 130
-    write_results(rows, args, train_args, len(buckets), sum(buckets))
+    load = (load_before, os.getloadavg()[1])
+    write_results(rows, args, train_args, len(buckets), sum(buckets), load)
     return 0
 
 
-def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int, params: int) -> None:
+def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int, params: int,
+                  load: tuple[float, float]) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -165,27 +174,39 @@ def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int,
     lines = [
         "# Network model vs `netgain train` on the throttled-network lab",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by all workers, no GPU; "
-        f"commit {commit}.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by all workers (and by other "
+        f"jobs: 5-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end), "
+        f"no GPU; commit {commit}.",
         f"Command: `{command}`",
         f"Job: default `netgain train` lm model ({params:,} parameters, {n_buckets} DDP buckets), "
         f"{args.steps} steps, medians over steps {SKIP_STEPS}..{args.steps - 1}.",
-        "Prediction: netgain.cost.network.predict with the lab presets, the compute-bound limit "
-        "measured per world size (no limit, no compression: step minus network wait), "
-        "codec encode/decode timed on this machine.",
+        "Prediction: netgain.cost.network.predict with the lab presets and codec encode/decode "
+        "timed on this machine, from (a) the compute-bound limit measured once per world size "
+        "(no rate limit, no compression: step minus the hook's network wait), fully independent "
+        "of the row; (b) the row's own compute (its step minus its network wait), which isolates "
+        "the network part of the model from load changes on the shared machine.",
         "",
-        "| workers | rate | codec | measured step s | predicted step s | error | measured comm s "
-        "| predicted comm s | predicted codec s | wire bytes measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workers | rate | codec | measured step s | predicted (a) s | error (a) | predicted (b) s "
+        "| error (b) | compute (a) / (b) s | measured comm s | predicted comm s | predicted codec s "
+        "| wire bytes measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['workers']} | {r['rate']} | {r['codec']} | {r['measured_step_s']:.3f} | "
-            f"{r['predicted_step_s']:.3f} | {r['error']:+.1%} | {r['measured_comm_s']:.3f} | "
+            f"{r['predicted_step_s']:.3f} | {r['error']:+.1%} | "
+            f"{r['predicted_step_own_compute_s']:.3f} | {r['error_own_compute']:+.1%} | "
+            f"{r['limit_compute_s']:.3f} / {r['row_compute_s']:.3f} | {r['measured_comm_s']:.3f} | "
             f"{r['predicted_comm_s']:.3f} | {r['predicted_codec_s']:.3f} | "
             f"{r['measured_wire_bytes']:,.0f} / {r['predicted_wire_bytes']:,.0f} |")
-    lines += ["", f"Median |predicted - measured| / measured: **{median:.1%}** over {len(rows)} rows.",
-              "Worst rows: " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
+    median_own = statistics.median(abs(r["error_own_compute"]) for r in rows)
+    worst_own = sorted(rows, key=lambda r: -abs(r["error_own_compute"]))
+    lines += ["", f"Median |predicted - measured| / measured over {len(rows)} rows: "
+                  f"**{median:.1%}** from the compute-bound limit (a), **{median_own:.1%}** from "
+                  "each row's own compute (b).",
+              "Worst rows (b): " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
+                                             f"{r['error_own_compute']:+.1%}" for r in worst_own[:3]) + ".",
+              "Worst rows (a): " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
                                          f"{r['error']:+.1%}" for r in errors[:3]) + ".",
               f"Lab namespaces left (`ip netns list`): {len(list_lab_namespaces())}.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))

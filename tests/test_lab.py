@@ -52,9 +52,10 @@ else:
 def test_parse_rate():
     assert lab.parse_rate("100mbit") == 100e6
     assert lab.parse_rate("1gbit") == 1e9
+    assert lab.parse_rate("12.5MB/s") == 100e6
     assert lab.parse_rate("none") is None and lab.parse_rate(None) is None
     with pytest.raises(ValueError, match="rate"):
-        lab.parse_rate("100mb/s")
+        lab.parse_rate("fast")
 
 
 def test_burst_follows_the_documented_sizes():

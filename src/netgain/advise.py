@@ -145,8 +145,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, required=True, help="data-parallel world size")
     parser.add_argument("--link", choices=tuple(net.PRESETS), default="25gbe",
                         help="fabric preset (default 25gbe); see netgain.cost.network.PRESETS")
-    parser.add_argument("--bandwidth", help="custom link instead of --link: per-rank rate, "
-                        "e.g. 40gbit or 5GB/s")
+    parser.add_argument("--bandwidth", help="custom link instead of --link: payload rate per rank "
+                        "and direction (headers already taken off), e.g. 40gbit or 5GB/s")
     parser.add_argument("--latency", help="per-message latency, e.g. 30us (default: the preset's, "
                         "30us for --bandwidth)")
     parser.add_argument("--gpu", choices=GPU_CHOICES,

@@ -2,8 +2,8 @@
 
 Alpha-beta costs of the collectives a codec needs, the codec's own encode/decode time, and the
 overlap of communication with the backward pass, as DDP does it: gradients are grouped into
-buckets that become ready in reverse layer order; bucket k's collective starts when its gradients
-are ready (and encoded) and the previous bucket's collective is done. Whatever communication is
+buckets that become ready in reverse layer order; bucket k's communication (encode, collective,
+decode) starts when its gradients are ready and bucket k-1's is done. Whatever communication is
 still running when the backward ends is exposed and lengthens the step.
 
 Units: bytes, seconds, bytes per second. `bandwidth` is the payload rate one rank can send in one
