@@ -128,3 +128,19 @@ def test_killed_lab_process_tears_down(sig):
     proc.send_signal(getattr(signal, sig))
     assert proc.wait(timeout=15) == 130
     assert not [n for n in lab.list_lab_namespaces() if n.startswith(mine)]
+
+
+@needs_netns
+def test_cleanup_removes_namespaces_of_dead_labs_only():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = f"{lab.NAME_PREFIX}-{dead.pid}-0-w0"
+    alive = f"{lab.NAME_PREFIX}-{os.getpid()}-0-w0"
+    for name in (leftover, alive):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert leftover in lab.cleanup()
+        assert alive in lab.list_lab_namespaces()
+    finally:
+        lab.delete_namespaces([alive])
+    assert leftover not in lab.list_lab_namespaces() and alive not in lab.list_lab_namespaces()

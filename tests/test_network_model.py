@@ -33,6 +33,15 @@ def test_alpha_terms_and_the_other_collectives():
         assert f(1e6, 1, link) == 0.0
 
 
+def test_auto_takes_the_faster_allreduce_per_message():
+    link = net.Link("x", 1e9, 30e-6)
+    # 64 ranks: a 16-byte header is latency-bound (tree: 12 alpha < ring: 126 alpha) ...
+    assert net.allreduce_s(16, 64, link) == pytest.approx(net.tree_allreduce_s(16, 64, link))
+    assert net.allreduce_s(16, 64, link) < net.ring_allreduce_s(16, 64, link) / 10
+    # ... a 100 MB bucket is bandwidth-bound (ring moves 2(n-1)/n S, tree 2 log2(n) S)
+    assert net.allreduce_s(1e8, 64, link) == pytest.approx(net.ring_allreduce_s(1e8, 64, link))
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="world_size"):
         net.ring_allreduce_s(1, 0, MBIT100)
@@ -134,7 +143,7 @@ def test_communication_queues_behind_the_previous_bucket():
 
 
 def test_codec_costs_header_and_compression_in_the_timeline():
-    link = net.Link("slow", 800.0, 0.0)
+    link = net.Link("slow", 800.0, 0.0)  # n=2: ring and tree agree
     codec = net.CodecProfile("q8", 8.0, "allreduce", header_bytes=16,
                              encode_s_per_elem=1e-3, decode_s_per_elem=2e-3)
     p = net.predict([100], 2, link, codec, compute_s=0.0)

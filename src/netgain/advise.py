@@ -96,7 +96,7 @@ def resolve_link(args) -> tuple[net.Link, str]:
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
-             cost, algorithm: str = "ring") -> list[Row]:
+             cost, algorithm: str = "auto") -> list[Row]:
     """Predict every candidate codec; codecs impossible at this world size are left out."""
     from netgain.comm.codecs import make_codec
 
@@ -165,8 +165,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="model FLOPs utilisation for the compute estimate (default 0.4)")
     parser.add_argument("--bucket-mb", type=float,
                         help="DDP bucket_cap_mb (default: DDP's 25, with its 1 MiB first bucket)")
-    parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="ring",
-                        help="allreduce algorithm of the backend (default ring)")
+    parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="auto",
+                        help="native allreduce algorithm: ring, tree, or auto = the faster per "
+                        "message, as NCCL picks (default auto)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
                         "(default 0.05)")

@@ -168,7 +168,7 @@ def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float
 
 
 COLLECTIVES = ("allreduce", "allgather", "ring")
-ALGORITHMS = ("ring", "tree")
+ALGORITHMS = ("auto", "ring", "tree")  # auto: the faster per message, as NCCL's tuner picks
 HEADER_BYTES = 16  # netgain's per-bucket header: one 4-float allreduce MAX (scale, flags, plan check)
 
 
@@ -202,20 +202,34 @@ class CodecProfile:
 UNCOMPRESSED = CodecProfile("none", 32.0)
 
 
-def collective_s(numel: int, world_size: int, link: Link, codec: CodecProfile,
-                 algorithm: str = "ring") -> float:
-    """Time on the wire for one bucket of `numel` gradient elements under `codec` (with header)."""
+def allreduce_s(nbytes: float, n: int, link: Link, algorithm: str = "auto") -> float:
+    """A native allreduce by `algorithm`; "auto" takes the faster of ring and tree."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    allreduce = tree_allreduce_s if algorithm == "tree" else ring_allreduce_s
-    header = allreduce(codec.header_bytes, world_size, link) if codec.header_bytes else 0.0
+    if algorithm == "ring":
+        return ring_allreduce_s(nbytes, n, link)
+    if algorithm == "tree":
+        return tree_allreduce_s(nbytes, n, link)
+    return min(ring_allreduce_s(nbytes, n, link), tree_allreduce_s(nbytes, n, link))
+
+
+def collective_s(numel: int, world_size: int, link: Link, codec: CodecProfile,
+                 algorithm: str = "auto") -> float:
+    """Time on the wire for one bucket of `numel` gradient elements under `codec` (with header).
+
+    `algorithm` applies to native allreduces (header and summable payloads); allgather and the
+    custom-combine ring have one algorithm each.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    header = allreduce_s(codec.header_bytes, world_size, link, algorithm) if codec.header_bytes else 0.0
     nbytes = numel * codec.wire_bits / 8
     if codec.collective == "allgather":
         return header + allgather_s(nbytes, world_size, link)
     if codec.collective == "ring":
         combine = numel * codec.combine_s_per_elem
         return header + ring_combine_allreduce_s(nbytes, world_size, link, combine)
-    return header + allreduce(nbytes, world_size, link)
+    return header + allreduce_s(nbytes, world_size, link, algorithm)
 
 
 def payload_bytes(numel: int, codec: CodecProfile) -> float:
@@ -280,7 +294,7 @@ class Prediction:
 
 def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
             codec: CodecProfile = UNCOMPRESSED, compute_s: float = 0.0,
-            backward_fraction: float = 2 / 3, algorithm: str = "ring",
+            backward_fraction: float = 2 / 3, algorithm: str = "auto",
             bucket_mb: float = 25.0) -> Prediction:
     """Predict one data-parallel step.
 
