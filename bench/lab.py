@@ -23,6 +23,7 @@ Everything is torn down on exit, on error, on Ctrl-C and on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shlex
@@ -41,6 +42,9 @@ SUBNET = "10.77.0"
 MASTER_PORT = 29500
 BURST_SMALL = 256 * 1024      # bytes; enough for <= 100 Mbit/s
 BURST_1GBIT_S = 0.008         # seconds of traffic at the rate: 1 MB at 1 Gbit/s
+
+
+_LAB_IDS = itertools.count()  # labs of one process get distinct names
 
 
 class LabError(RuntimeError):
@@ -131,9 +135,9 @@ class Lab:
         if not isinstance(workers, int) or not 1 <= workers <= 250:
             raise ValueError(f"workers: must be an integer in 1..250, got {workers!r}")
         self.workers = workers
-        self.rate_bps = parse_rate(rate)
+        self.rates_bps = [parse_rate(rate)] * workers  # current egress limit per worker
         self.master_port = master_port
-        base = f"{NAME_PREFIX}-{os.getpid()}-{id(self) % 10000}"
+        base = f"{NAME_PREFIX}-{os.getpid()}-{next(_LAB_IDS)}"
         self.bridge_ns = f"{base}-br"
         self.namespaces = [f"{base}-w{i}" for i in range(workers)]
         self._created: list[str] = []
@@ -173,8 +177,8 @@ class Lab:
             _sh(["ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0"])
             _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-        if self.rate_bps is not None:
-            self._apply_rate("add", self.rate_bps)
+        if self.rates_bps[0] is not None:
+            self._apply_rate("add", self.rates_bps[0], range(self.workers))
 
     def _add_namespace(self, name: str) -> None:
         proc = _sh(["ip", "netns", "add", name], check=False)
@@ -183,24 +187,30 @@ class Lab:
                            "(needs root and a kernel/container that allows network namespaces)")
         self._created.append(name)
 
-    def _apply_rate(self, verb: str, rate_bps: float | None) -> None:
-        for ns in self.namespaces:
-            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", "eth0", "root"]
+    def _apply_rate(self, verb: str, rate_bps: float | None, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            cmd = ["ip", "netns", "exec", self.namespaces[rank], "tc", "qdisc", verb, "dev",
+                   "eth0", "root"]
             if rate_bps is not None:
                 cmd += ["tbf", "rate", f"{int(rate_bps)}bit",
                         "burst", str(tbf_burst_bytes(rate_bps)), "latency", "100ms"]
             _sh(cmd)
 
-    def set_rate(self, rate: str | float | None) -> None:
-        """Change every worker's egress limit now; safe while a job runs."""
+    def set_rate(self, rate: str | float | None, ranks: Sequence[int] | None = None) -> None:
+        """Change the egress limit of `ranks` (default: every worker) now; safe while a job runs."""
         new = parse_rate(rate)
-        if self.rate_bps is None and new is not None:
-            self._apply_rate("add", new)
-        elif self.rate_bps is not None and new is None:
-            self._apply_rate("del", None)
-        elif new is not None:
-            self._apply_rate("change", new)
-        self.rate_bps = new
+        ranks = range(self.workers) if ranks is None else ranks
+        for rank in ranks:
+            if not 0 <= rank < self.workers:
+                raise ValueError(f"ranks: {rank} is not a worker of this {self.workers}-worker lab")
+            old = self.rates_bps[rank]
+            if old is None and new is not None:
+                self._apply_rate("add", new, [rank])
+            elif old is not None and new is None:
+                self._apply_rate("del", None, [rank])
+            elif new is not None:
+                self._apply_rate("change", new, [rank])
+            self.rates_bps[rank] = new
 
     def worker_env(self, rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """torchrun's variables for one worker, gloo bound to the namespace's eth0."""

@@ -87,6 +87,10 @@ def test_two_workers_exchange_and_teardown_leaves_nothing():
         qdisc = subprocess.run(["ip", "netns", "exec", the_lab.namespaces[1], "tc", "qdisc",
                                 "show", "dev", "eth0"], capture_output=True, text=True).stdout
         assert "1Gbit" in qdisc
+        the_lab.set_rate(None, ranks=[0])
+        assert the_lab.rates_bps == [None, 1e9]
+        with pytest.raises(ValueError, match="ranks"):
+            the_lab.set_rate("1gbit", ranks=[2])
         codes = the_lab.run([sys.executable, "-c", _EXCHANGE], timeout=30)
         assert codes == [0, 0]
     assert not names & set(lab.list_lab_namespaces())
