@@ -5,8 +5,11 @@
     ... train ...; state.last_step  # wire bytes, timings of the last step
 """
 
-from .codecs import CODEC_NAMES, Codec, make_codec, time_codec
+from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
+from .codecs import CODEC_NAMES as FIXED_CODEC_NAMES, Codec, make_codec, time_codec
 from .hooks import CommState, NonFiniteGradientError, PlanMismatchError, hook, register
 
-__all__ = ["CODEC_NAMES", "Codec", "CommState", "NonFiniteGradientError", "PlanMismatchError",
+CODEC_NAMES = FIXED_CODEC_NAMES + ADAPTIVE_MODES  # everything `register(codec=...)` takes
+
+__all__ = ["ADAPTIVE_MODES", "AdaptivePlanner", "CODEC_NAMES", "FIXED_CODEC_NAMES", "Codec", "CommState", "NonFiniteGradientError", "PlanMismatchError",
            "hook", "make_codec", "register", "time_codec"]

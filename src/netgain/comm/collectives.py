@@ -30,12 +30,16 @@ class Link:
         self.rank = dist.get_rank(group)
         self.bytes_sent = 0
         self.seconds = 0.0
+        self.observer: Callable[[str, int, float, int], None] | None = None  # e.g. a BandwidthMonitor
 
-    def _timed(self, payload_bytes: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _timed(self, collective: str, payload_bytes: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         start = time.perf_counter()
         out = fn()
-        self.seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
         self.bytes_sent += payload_bytes
+        if self.observer is not None:
+            self.observer(collective, payload_bytes, seconds, self.world_size)
         return out
 
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -43,7 +47,7 @@ class Link:
         def run():
             dist.all_reduce(tensor, op=op, group=self.group)
             return tensor
-        return self._timed(tensor.numel() * tensor.element_size(), run)
+        return self._timed("allreduce", tensor.numel() * tensor.element_size(), run)
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor, stacked: shape (world_size, *tensor.shape)."""
@@ -51,7 +55,7 @@ class Link:
             out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
             _all_gather_flat(out, tensor.contiguous(), group=self.group)
             return out.view(self.world_size, *tensor.shape)
-        return self._timed(tensor.numel() * tensor.element_size(), run)
+        return self._timed("allgather", tensor.numel() * tensor.element_size(), run)
 
     def ring_allreduce(self, codes: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Reduce ``codes`` across ranks with ``combine`` (associative in expectation); same result on every rank."""
@@ -77,7 +81,7 @@ class Link:
             _all_gather_flat(gathered, owned.contiguous(), group=self.group)
             return gathered.view(n, chunk).roll(1, dims=0).reshape(-1)[:numel]  # rank j owned chunk j + 1
 
-        return self._timed(numel * codes.element_size(), run)
+        return self._timed("ring", numel * codes.element_size(), run)
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

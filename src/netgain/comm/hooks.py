@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
 from .codecs import Codec, Context, NoCompression, make_codec
 from .collectives import Link
 from .feedback import EF21
@@ -49,14 +50,17 @@ class CommState:
     parameter's RNG state and EF21 buffers.
     """
 
-    def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None,
+    def __init__(self, codec: Codec | AdaptivePlanner, *, process_group: dist.ProcessGroup | None = None,
                  warmup_steps: int = 0, min_compress_numel: int = 1024, nonfinite: str = "raise",
                  seed: int = 0, param_names: dict[int, str] | None = None):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if warmup_steps < 0 or min_compress_numel < 0:
             raise ValueError(f"warmup_steps and min_compress_numel must be >= 0, got {warmup_steps}, {min_compress_numel}")
-        self.codec, self.process_group = codec, process_group
+        # a fixed codec, or a planner that picks one per bucket (Kimad)
+        self.planner = codec if isinstance(codec, AdaptivePlanner) else None
+        self.codec = None if self.planner else codec
+        self.process_group = process_group
         self.warmup_steps, self.min_compress_numel = warmup_steps, min_compress_numel
         self.nonfinite, self.seed = nonfinite, seed
         self.param_names = param_names or {}
@@ -66,7 +70,8 @@ class CommState:
         self._generators: dict[str, torch.Generator] = {}
         self._feedback: dict[str, EF21] = {}
         self._records: list[dict] = []
-        self._last_submit = 0.0
+        self._first_submit = self._last_submit = 0.0
+        self._step_open = False
         self._link: Link | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -74,7 +79,10 @@ class CommState:
     def codec_for(self, index: int, numel: int) -> Codec:
         if self.step < self.warmup_steps or numel < self.min_compress_numel:
             return _UNCOMPRESSED
-        return self.codec
+        return self.planner.codec_for(index, numel) if self.planner else self.codec
+
+    def describe(self) -> str:
+        return self.planner.mode if self.planner else self.codec.describe()
 
     def plan_signature(self, index: int, codec: Codec) -> float:
         """A number every rank must agree on for this bucket (exact in float32)."""
@@ -84,8 +92,11 @@ class CommState:
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer()
         future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._last_submit = time.perf_counter()
+        if not self._step_open:  # the first bucket of a backward pass
+            self._first_submit, self._step_open = self._last_submit, True
+        self._step_open = not bucket.is_last()
         if dist.get_world_size(self.process_group) == 1:  # nothing to send: pass through
-            self._last_submit = time.perf_counter()
             self._records.append({"index": bucket.index(), "numel": buffer.numel(), "codec": "passthrough",
                                   "wire_bytes": 0, "raw_bytes": 4 * buffer.numel(), "comm_s": 0.0,
                                   "encode_s": 0.0, "decode_s": 0.0})
@@ -95,12 +106,13 @@ class CommState:
             return future
         if self._executor is None:
             self._link = Link(self.process_group)
+            if self.planner:
+                self._link.observer = self.planner.monitor.observe
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
         ready = torch.cuda.Event() if buffer.is_cuda else None
         if ready is not None:
             ready.record()
         layout = self._layout(bucket)
-        self._last_submit = time.perf_counter()
         job = self._executor.submit(self._run, bucket.index(), buffer, layout, bucket.is_last(), ready)
 
         def resolve(done):
@@ -128,11 +140,11 @@ class CommState:
         bytes_before, seconds_before = link.bytes_sent, link.seconds
         seconds = {"encode_s": 0.0, "decode_s": 0.0}
         # codecs with per-parameter state see one segment per parameter; the casts see the bucket
-        segments = layout if codec.needs_header else {"bucket": (0, x.numel())}
+        segments = layout if codec.needs_header or self.planner else {"bucket": (0, x.numel())}
         contexts = {key: self._context(key, k, codec, x.device) for key, (_, k) in segments.items()}
 
         nonfinite = False
-        if codec.needs_header:
+        if codec.needs_header or self.planner:  # adaptive: every bucket's plan is checked
             maxes = torch.stack([x[o:o + k].abs().max() for o, k in segments.values()]).to(torch.float32)
             finite = torch.isfinite(maxes)
             signature = self.plan_signature(index, codec)
@@ -165,9 +177,12 @@ class CommState:
                 # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
                 if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
                     out = self._nonfinite(index, x, layout, link)
-            elif codec is _UNCOMPRESSED and self.codec.uses_feedback:
-                for key, (o, k) in layout.items():  # warm-up: the EF21 estimates become exact
-                    self._feedback_for(key, k, x.device).sync(x[o:o + k], out[o:o + k])
+            elif isinstance(codec, NoCompression):
+                for key, (o, k) in layout.items():  # after an exact step, EF21 estimates are exact
+                    if key in self._feedback:
+                        self._feedback[key].sync(x[o:o + k], out[o:o + k])
+            if self.planner and self.planner.wants_errors(self.step):
+                self.planner.observe(index, x)
         for ctx in contexts.values():
             for key in seconds:
                 seconds[key] += ctx.seconds[key]
@@ -208,7 +223,11 @@ class CommState:
         records, self._records = self._records, []
         totals = {key: sum(r[key] for r in records) for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
         totals.update(step=self.step, buckets=len(records), wait_s=time.perf_counter() - self._last_submit,
+                      backward_s=self._last_submit - self._first_submit,
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
+        if self.planner and self._link is not None:
+            self.planner.end_step(self._link, self.step, totals["backward_s"])
+            totals.update(self.planner.last)
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
@@ -224,14 +243,14 @@ class CommState:
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "codec": self.codec.describe(),
+            "codec": self.describe(),
             "rng": {key: {"device": str(g.device), "state": g.get_state()} for key, g in self._generators.items()},
             "feedback": {key: ef.state_dict() for key, ef in self._feedback.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["codec"] != self.codec.describe():
-            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this state uses {self.codec.describe()}")
+        if state["codec"] != self.describe():
+            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this state uses {self.describe()}")
         self.step = state["step"]
         self._generators = {}
         for key, rng in state["rng"].items():
@@ -257,14 +276,19 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | Codec = "gqsgd", *,
-             bits: int = 8, encoding: str = "packed", ratio: float = 0.01,
-             process_group: dist.ProcessGroup | None = None, **options) -> CommState:
+             bits: int = 8, encoding: str = "packed", ratio: float = 0.01, comm_budget_ms: float | None = None,
+             replan_every: int = 10, process_group: dist.ProcessGroup | None = None, **options) -> CommState:
     """Register the netgain hook on ``ddp_model``; returns its CommState.
 
+    ``codec``: a name from CODEC_NAMES ("kimad" / "kimad+" adapt to the measured bandwidth, with
+    a time budget of ``comm_budget_ms`` per step or, by default, the measured backward time).
     Checks that every rank asked for the same codec and options (raises on every rank if not).
     ``options``: warmup_steps, min_compress_numel, nonfinite, seed (see CommState).
     """
-    if isinstance(codec, str):
+    if codec in ADAPTIVE_MODES:
+        codec = AdaptivePlanner(codec, replan_every=replan_every,
+                                time_budget_s=None if comm_budget_ms is None else comm_budget_ms / 1e3)
+    elif isinstance(codec, str):
         codec = make_codec(codec, bits=bits, encoding=encoding, ratio=ratio)
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     state = CommState(codec, process_group=process_group, param_names=names, **options)
@@ -274,7 +298,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | 
 
 
 def _check_same_config(state: CommState) -> None:
-    config = {"codec": state.codec.describe(), "warmup_steps": state.warmup_steps,
+    config = {"codec": state.describe(), "warmup_steps": state.warmup_steps,
               "min_compress_numel": state.min_compress_numel, "nonfinite": state.nonfinite, "seed": state.seed}
     configs = [None] * dist.get_world_size(state.process_group)
     dist.all_gather_object(configs, config, group=state.process_group)
