@@ -1,0 +1,425 @@
+"""`netgain train`: data-parallel training with a gradient codec on a DDP communication hook.
+
+Spawns `--world-size` local gloo workers, or runs as one rank when launched by torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; nccl when CUDA is available). Every batch is a pure
+function of (seed, step, rank), so a run resumed from a checkpoint equals a straight run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import netgain.comm as comm
+from netgain import data, models
+
+TASKS = ("lm", "digits")
+ENCODINGS = ("packed", "int8")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# task -> defaults for the options whose sensible value depends on the task
+TASK_DEFAULTS = {
+    "lm": dict(steps=300, batch_size=16, lr=3e-3, eval_every=50),
+    "digits": dict(steps=300, batch_size=32, lr=3e-3, eval_every=50),
+}
+COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
+VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
+VALIDATION_BATCH_SIZE = 8
+FINAL_TRAIN_LOSS_WINDOW = 10  # final train loss = mean over the last 10 steps (one step is noise)
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead peer ends the job instead of hanging it
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str
+    codec: str
+    bits: int
+    encoding: str
+    ratio: float
+    warmup_steps: int
+    steps: int
+    batch_size: int
+    lr: float
+    world_size: int
+    seed: int
+    data: str | None
+    eval_every: int
+    out: str
+    checkpoint: str | None
+    checkpoint_every: int
+    resume: str | None
+    hidden_size: int
+    layers: int
+    seq_len: int
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=TASKS, default="lm",
+                        help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
+    parser.add_argument("--codec", choices=comm.CODEC_NAMES, default="none")
+    parser.add_argument("--bits", type=int, default=8, help="quantisation bits (qsgd, gqsgd, gqsgd-exp)")
+    parser.add_argument("--encoding", choices=ENCODINGS, default="packed", help="gqsgd wire encoding")
+    parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
+    parser.add_argument("--steps", type=int, help="total optimizer steps, counted from 0 also when resuming "
+                        "(default: lm 300, digits 300)")
+    parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--world-size", type=int, default=2, help="local workers to spawn (ignored under torchrun)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
+    parser.add_argument("--eval-every", type=int, help="validate every N steps, 0: only at the end (default 50)")
+    parser.add_argument("--out", help="output folder for record.json and loss.png (default runs/<codec>-<time>)")
+    parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
+                        "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint")
+    parser.add_argument("--hidden-size", type=int, default=192, help="lm model width")
+    parser.add_argument("--layers", type=int, default=4, help="lm decoder layers")
+    parser.add_argument("--seq-len", type=int, default=128, help="lm sequence length in bytes")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    if launched_by_torchrun():
+        train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config, "env://")
+        return 0
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        torch.multiprocessing.spawn(train_worker, args=(config.world_size, config, init_method, True),
+                                    nprocs=config.world_size, join=True)
+    except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
+        print(f"netgain train: a worker failed\n{error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """Fill task-dependent defaults and reject bad values before any worker starts."""
+    defaults = TASK_DEFAULTS[args.task]
+    values = {name: getattr(args, name) if getattr(args, name) is not None else default
+              for name, default in defaults.items()}
+    for name in ("steps", "batch_size", "world_size", "seq_len"):
+        value = values.get(name, getattr(args, name))
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if values["lr"] <= 0:
+        raise ValueError(f"--lr must be positive, got {values['lr']}")
+    if values["eval_every"] < 0:
+        raise ValueError(f"--eval-every must be 0 (only at the end) or positive, got {values['eval_every']}")
+    if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint):
+        raise ValueError(f"--checkpoint-every must be >= 0 and needs --checkpoint, got {args.checkpoint_every}")
+    if args.data is not None and args.task != "lm":
+        raise ValueError("--data applies to --task lm only")
+    out = args.out or str(Path("runs") / f"{args.codec}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
+                       ratio=args.ratio, warmup_steps=args.warmup_steps, world_size=args.world_size,
+                       seed=args.seed, data=args.data, out=out, checkpoint=args.checkpoint,
+                       checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, hidden_size=args.hidden_size, layers=args.layers,
+                       seq_len=args.seq_len, **values)
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- tasks
+
+
+class LanguageModelTask:
+    """Next-byte prediction with a small Llama; validation loss in nats per byte."""
+
+    def __init__(self, config: TrainConfig):
+        files = data.text_files(config.data) if config.data else data.stdlib_source_files()
+        self.corpus = data.ByteCorpus.from_files(files)
+        self.config = config
+        self.validation = self.corpus.validation_batches(VALIDATION_BATCHES, VALIDATION_BATCH_SIZE,
+                                                         config.seq_len)
+
+    def build_model(self) -> nn.Module:
+        return models.byte_llama(self.config.hidden_size, self.config.layers, self.config.seq_len)
+
+    def train_loss(self, model: nn.Module, step: int, rank: int, world_size: int,
+                   device: torch.device) -> torch.Tensor:
+        c = self.config
+        ids = self.corpus.train_batch(c.seed, step, rank, world_size, c.batch_size, c.seq_len).to(device)
+        return model(input_ids=ids, labels=ids).loss
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, rank: int, world_size: int, device: torch.device) -> dict:
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, batches
+        for ids in self.validation[rank::world_size]:
+            ids = ids.to(device)
+            sums += torch.tensor([model(input_ids=ids, labels=ids).loss.item(), 1.0],
+                                 dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        return {"val_loss": (sums[0] / sums[1]).item()}
+
+
+class DigitsTask:
+    """Classify sklearn's 8x8 digits with an MLP: a convergence check that runs in seconds."""
+
+    def __init__(self, config: TrainConfig):
+        self.digits = data.Digits.load()
+        self.config = config
+
+    def build_model(self) -> nn.Module:
+        return models.digits_mlp()
+
+    def train_loss(self, model: nn.Module, step: int, rank: int, world_size: int,
+                   device: torch.device) -> torch.Tensor:
+        c = self.config
+        x, y = self.digits.train_batch(c.seed, step, rank, world_size, c.batch_size)
+        return F.cross_entropy(model(x.to(device)), y.to(device))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, rank: int, world_size: int, device: torch.device) -> dict:
+        start, stop = data.shard(len(self.digits.test_y), rank, world_size)
+        x, y = self.digits.test_x[start:stop].to(device), self.digits.test_y[start:stop].to(device)
+        logits = model(x)
+        sums = torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                             (logits.argmax(1) == y).sum().item(), len(y)],
+                            dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
+
+
+TASK_CLASSES = {"lm": LanguageModelTask, "digits": DigitsTask}
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: str,
+                 share_cores: bool = False) -> None:
+    """One data-parallel rank: train, validate, checkpoint; rank 0 reports."""
+    cuda = torch.cuda.is_available() and not share_cores
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if share_cores:  # local workers split the machine's cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    Trainer(config, rank, world_size, device).train()
+    dist.barrier()  # no rank tears its process group down while a peer still uses it
+    dist.destroy_process_group()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, device: torch.device):
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.task = TASK_CLASSES[config.task](config)
+        torch.manual_seed(config.seed)  # identical initialisation on every rank
+        model = self.task.build_model().to(device)
+        self.ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        self.comm_state = comm.register(self.ddp, codec=config.codec, bits=config.bits,
+                                        encoding=config.encoding, ratio=config.ratio,
+                                        warmup_steps=config.warmup_steps, seed=config.seed)
+        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
+        self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
+        if self.start_step >= config.steps:
+            raise ValueError(f"--steps {config.steps} is not beyond the checkpoint's step {self.start_step}")
+
+    def train(self) -> None:
+        c = self.config
+        history: dict[str, list] = {"step": [], "step_s": [], "train_loss": []}
+        validations = [{"step": self.start_step, **self.evaluate()}]
+        samples_per_step = c.batch_size * self.world_size
+        bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
+        for step in bar:
+            start = time.perf_counter()
+            loss = self.task.train_loss(self.ddp, step, self.rank, self.world_size, self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_s = time.perf_counter() - start
+            history["step"].append(step)
+            history["step_s"].append(step_s)
+            history["train_loss"].append(loss.item())
+            for key in COMM_STATISTICS:
+                history.setdefault(key, []).append(self.comm_state.last_step[key])
+            bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{samples_per_step / step_s:.0f}", refresh=False)
+            done = step + 1
+            if c.eval_every and done % c.eval_every == 0 and done < c.steps:
+                validations.append({"step": done, **self.evaluate()})
+            if c.checkpoint and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
+                self.save_checkpoint(c.checkpoint.replace("{step}", str(done)), done)
+        validations.append({"step": c.steps, **self.evaluate()})
+        history["train_loss"] = self.mean_over_ranks(history["train_loss"])
+        if self.rank == 0:
+            report(c, self.world_size, history, validations, self.device, self.ddp.module)
+
+    def evaluate(self) -> dict:
+        self.ddp.module.eval()
+        metrics = self.task.evaluate(self.ddp.module, self.rank, self.world_size, self.device)
+        self.ddp.module.train()
+        return metrics
+
+    def mean_over_ranks(self, values: list[float]) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return (total / self.world_size).tolist()
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        """Every rank's codec state (error feedback differs per rank) goes into one file."""
+        comm_states = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(_to_cpu(self.comm_state.state_dict()), comm_states, dst=0)
+        if self.rank == 0:
+            checkpoint = {"step": step, "world_size": self.world_size, "config": asdict(self.config),
+                          "model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "comm": comm_states}
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(f"{path}.partial")
+            torch.save(checkpoint, partial)
+            partial.replace(path)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> int:
+        checkpoint = torch.load(path, map_location=self.device, weights_only=False)
+        if checkpoint["world_size"] != self.world_size:
+            raise ValueError(f"--resume {path} was written by {checkpoint['world_size']} workers, "
+                             f"this run has {self.world_size}: the codec state is per worker")
+        if checkpoint["config"]["task"] != self.config.task:
+            raise ValueError(f"--resume {path} is a {checkpoint['config']['task']} checkpoint, "
+                             f"this run is --task {self.config.task}")
+        self.ddp.module.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.comm_state.load_state_dict(checkpoint["comm"][self.rank])
+        return checkpoint["step"]
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {key: _to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(value) for value in obj)
+    return obj
+
+
+def _progress(steps: range, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------- rank 0's report
+
+
+def report(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
+           device: torch.device, model: nn.Module) -> None:
+    """Summary table on stdout, record.json and loss.png under --out."""
+    summary = summarize(config, world_size, history, validations, model)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"config": asdict(config), "summary": summary, "per_step": history,
+              "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
+    (out / "record.json").write_text(json.dumps(record, indent=1))
+    plot_losses(history, validations, out / "loss.png", f"{config.task}, codec {config.codec}")
+    print(format_table(summary))
+    print(f"wrote {out / 'record.json'} and {out / 'loss.png'}")
+
+
+def summarize(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
+              model: nn.Module) -> dict:
+    """Means over the steps after the first of this run (the first also builds DDP's buckets)."""
+    timed = slice(1, None) if len(history["step_s"]) > 1 else slice(None)
+    step_s = _mean(history["step_s"][timed])
+    wait_s = _mean(history["wait_s"][timed])
+    wire = _mean(history["wire_bytes"][timed])
+    raw = _mean(history["raw_bytes"][timed])
+    final = validations[-1]
+    summary = {
+        "task": config.task,
+        "codec": config.codec,
+        "world_size": world_size,
+        "parameters": models.parameter_count(model),
+        "steps": history["step"][-1] + 1,
+        "samples_per_s": config.batch_size * world_size / step_s,
+        "step_s": step_s,
+        "compute_s": step_s - wait_s,
+        "comm_wait_s": wait_s,
+        "wire_bytes_per_step": wire,
+        "fp32_bytes_per_step": raw,
+        "compression_ratio": raw / wire if wire else float("nan"),
+        "final_train_loss": _mean(history["train_loss"][-FINAL_TRAIN_LOSS_WINDOW:]),
+        **{f"final_{key}": value for key, value in final.items() if key != "step"},
+    }
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    rows = [(key, _format(value)) for key, value in summary.items()]
+    width = max(len(key) for key, _ in rows)
+    rule = "-" * (width + 2 + max(len(value) for _, value in rows))
+    return "\n".join([rule, *(f"{key:<{width}}  {value}" for key, value in rows), rule])
+
+
+def plot_losses(history: dict, validations: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([s + 1 for s in history["step"]], history["train_loss"], label="train (mean over workers)", lw=1)
+    ax.plot([v["step"] for v in validations], [v["val_loss"] for v in validations], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def git_state() -> dict:
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "."],
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def host_info(device: torch.device, world_size: int) -> dict:
+    return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "backend": dist.get_backend(), "world_size": world_size}
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
