@@ -166,7 +166,7 @@ def test_predicted_latency_counts_both_factors():
     assert dense_calls == 2 * 7 + 1  # 7 Linears per layer + the LM head
     from netgain.align.lowrank import install
 
-    install(model, {"model.layers.0.mlp.up_proj": 8})
+    assert install(model, {"model.layers.0.mlp.up_proj": 8})["model.layers.0.mlp.up_proj"].rank == 8
     calls.clear()
     evaluate.predicted_latency(model, Recorder(), 8, 8)
     assert len(calls) == dense_calls + 1 and (8, 64, 8) in calls and (8, 8, 160) in calls

@@ -89,12 +89,14 @@ def rank_for_ratio(in_features: int, out_features: int, ratio: float) -> int:
 
 
 def install(model: nn.Module, ranks: Mapping[str, int]) -> dict[str, LowRankLinear]:
-    """Replace the named Linears by freshly initialised LowRankLinear modules of the given ranks."""
+    """Replace the named Linears by LowRankLinear modules of the given ranks, weights left UNINITIALISED
+    (callers copy factors in or load them; initialising 8B-sized layers only to overwrite them is slow)."""
     installed = {}
     for name, rank in ranks.items():
         old = model.get_submodule(name)
-        new = LowRankLinear(old.in_features, old.out_features, rank, bias=old.bias is not None)
-        new.to(device=old.weight.device, dtype=old.weight.dtype)
+        with torch.device("meta"):
+            new = LowRankLinear(old.in_features, old.out_features, rank, bias=old.bias is not None)
+        new = new.to_empty(device=old.weight.device).to(old.weight.dtype)
         model.set_submodule(name, new)
         installed[name] = new
     return installed
@@ -139,14 +141,19 @@ class ASVD:
                 h.remove()
         if not all(counts.values()):
             raise ValueError("calibration batches never reached some decoder Linears (no batches given?)")
-        for name, module in linears.items():
-            scale = (sums[name] / counts[name]).clamp_min(1e-6).pow(self.alpha).float()
-            weight = module.weight.detach().float().cpu()
-            u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
-            self.factors[name] = (u, sigma, vt, scale)
-            self.shapes[name] = (module.in_features, module.out_features)
-            if progress is not None:
-                progress.update(1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # threaded LAPACK SVD spins for seconds when cores are shared; these are small
+        try:
+            for name, module in linears.items():
+                scale = (sums[name] / counts[name]).clamp_min(1e-6).pow(self.alpha).float()
+                weight = module.weight.detach().float().cpu()
+                u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
+                self.factors[name] = (u, sigma, vt, scale)
+                self.shapes[name] = (module.in_features, module.out_features)
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            torch.set_num_threads(threads)
 
     def truncation_error(self, name: str, rank: int) -> float:
         """Share of the activation-scaled spectrum's energy lost by keeping `rank` components."""

@@ -1,0 +1,54 @@
+"""`netgain align` end to end on a tiny random Llama with a character-level tokenizer."""
+
+import argparse
+import json
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from netgain.align import cli, load
+from netgain.align.lowrank import LowRankLinear
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
+
+
+def tiny_model_dir(path):
+    chars = sorted(set(TEXT))
+    vocab = {c: i for i, c in enumerate(["<unk>"] + chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(vocab),
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
+    model_dir = tiny_model_dir(tmp_path / "model")
+    (tmp_path / "calib.txt").write_text(TEXT)
+    (tmp_path / "eval.txt").write_text(TEXT[::-1])
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args([
+        "--model", str(model_dir), "--calib", str(tmp_path / "calib.txt"), "--eval", str(tmp_path / "eval.txt"),
+        "--out", str(tmp_path / "out"), "--param-ratio", "0.8", "--cost", "a100", "--calib-seqs", "2",
+        "--calib-len", "32", "--eval-chunks", "2", "--seq", "32", "--repeats", "1",
+    ])
+    assert cli.run(args) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert list(rows) == ["dense", "raw", "round-nearest", "round-down", "gac"]
+    assert rows["gac"]["aligned_8"] == 1.0 and rows["round-down"]["aligned_8"] == 1.0
+    assert rows["gac"]["unit_params"] <= report["budget"] == rows["raw"]["unit_params"]
+    assert rows["round-down"]["unit_params"] <= report["budget"]
+    assert set(rows["gac"]["predicted"]) == {"a100", "h100"}
+    assert "| gac |" in (tmp_path / "out" / "report.md").read_text()
+    model = load(tmp_path / "out")
+    ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    assert ranks and all(r % 8 == 0 for r in ranks.values())
+    assert all(report["sizes"]["gac"][n] == r for n, r in ranks.items())
