@@ -417,7 +417,9 @@ def host_info(device: torch.device, world_size: int) -> dict:
 
 def _format(value) -> str:
     if isinstance(value, float):
-        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+        if abs(value) >= 100:
+            return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+        return f"{value:.4g}"
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
