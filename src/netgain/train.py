@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -79,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default: lm 300, digits 300)")
     parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32)")
     parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--world-size", type=int, default=2, help="local workers to spawn (ignored under torchrun)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local CPU workers to spawn on gloo (under torchrun its WORLD_SIZE applies)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, help="validate every N steps, 0: only at the end (default 50)")
@@ -96,7 +97,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     if launched_by_torchrun():
-        train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config, "env://")
+        world_size = int(os.environ["WORLD_SIZE"])
+        train_worker(int(os.environ["RANK"]), world_size, replace(config, world_size=world_size), "env://")
         return 0
     init_method = f"tcp://127.0.0.1:{free_port()}"
     try:
