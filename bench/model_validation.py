@@ -100,6 +100,27 @@ def model_buckets(train_args: list[str]) -> list[int]:
     return net.ddp_buckets([p.numel() for p in model.parameters()])
 
 
+def compare(n: int, rate: str, profile: net.CodecProfile, buckets: list[int], limit: dict,
+            m: dict) -> dict:
+    """One validation row: the measurement beside predictions from the limit and own compute."""
+    link = net.preset(PRESET_OF_RATE[rate])
+    p = net.predict(buckets, n, link, profile, limit["compute_s"])
+    own = net.predict(buckets, n, link, profile, m["compute_s"])
+    row = {"workers": n, "rate": rate, "codec": profile.name,
+           "limit_compute_s": limit["compute_s"], "row_compute_s": m["compute_s"],
+           "measured_step_s": m["step_s"], "predicted_step_s": p.step_s,
+           "error": (p.step_s - m["step_s"]) / m["step_s"],
+           "predicted_step_own_compute_s": own.step_s,
+           "error_own_compute": (own.step_s - m["step_s"]) / m["step_s"],
+           "measured_comm_s": m["comm_s"], "predicted_comm_s": p.comm_s,
+           "predicted_codec_s": p.encode_s + p.decode_s,
+           "measured_wire_bytes": m["wire_bytes"], "predicted_wire_bytes": p.payload_bytes}
+    print(f"  {rate} {profile.name}: measured {m['step_s']:.3f} s, predicted {p.step_s:.3f} s "
+          f"({row['error']:+.1%}), from its own compute {own.step_s:.3f} s "
+          f"({row['error_own_compute']:+.1%})", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
@@ -107,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
                         help="name[:bits][:int8|packed][:ratio], e.g. gqsgd:8:int8, topk:0.01")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--limit-every", choices=("codec", "world"), default="codec",
+                        help="measure the compute-bound limit again before every codec (default; "
+                        "follows load changes on a shared machine) or once per world size")
     parser.add_argument("--out", default=str(HERE / "results" / "model_validation"))
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- extra `netgain train` options (model size, batch size)")
@@ -120,34 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_on_signals():
             for n in args.workers:
-                limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
-                print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, compute {limit['compute_s']:.3f} s",
-                      flush=True)
+                limit = None
                 for name, params in codecs:
+                    if limit is None or args.limit_every == "codec":
+                        limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
+                        print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, "
+                              f"compute {limit['compute_s']:.3f} s", flush=True)
                     profile = net.profile_codec(make_codec(name, **params), n, "calibrate",
                                                 calibration_numel=max(buckets),
                                                 threads=threads_per_worker(n))
                     for rate in args.rates:
                         m = measured(train_on_lab(n, rate, name, params, args.steps, train_args))
-                        link = net.preset(PRESET_OF_RATE[rate])
-                        p = net.predict(buckets, n, link, profile, limit["compute_s"])
-                        own = net.predict(buckets, n, link, profile, m["compute_s"])
-                        rows.append({"workers": n, "rate": rate, "codec": profile.name,
-                                     "limit_compute_s": limit["compute_s"],
-                                     "row_compute_s": m["compute_s"],
-                                     "measured_step_s": m["step_s"], "predicted_step_s": p.step_s,
-                                     "error": (p.step_s - m["step_s"]) / m["step_s"],
-                                     "predicted_step_own_compute_s": own.step_s,
-                                     "error_own_compute": (own.step_s - m["step_s"]) / m["step_s"],
-                                     "measured_comm_s": m["comm_s"], "predicted_comm_s": p.comm_s,
-                                     "predicted_codec_s": p.encode_s + p.decode_s,
-                                     "measured_wire_bytes": m["wire_bytes"],
-                                     "predicted_wire_bytes": p.payload_bytes})
-                        r = rows[-1]
-                        print(f"  {rate} {profile.name}: measured {r['measured_step_s']:.3f} s, "
-                              f"predicted {r['predicted_step_s']:.3f} s ({r['error']:+.1%}), "
-                              f"from its own compute {own.step_s:.3f} s "
-                              f"({r['error_own_compute']:+.1%})", flush=True)
+                        rows.append(compare(n, rate, profile, buckets, limit, m))
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}); lab torn down", file=sys.stderr)
         return 130
@@ -170,6 +178,7 @@ def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int,
                             cwd=HERE).stdout.strip()
     command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
                         "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
+                        "--limit-every", args.limit_every,
                         *(["--", *train_args] if train_args else [])])
     lines = [
         "# Network model vs `netgain train` on the throttled-network lab",
@@ -181,9 +190,9 @@ def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int,
         f"Job: default `netgain train` lm model ({params:,} parameters, {n_buckets} DDP buckets), "
         f"{args.steps} steps, medians over steps {SKIP_STEPS}..{args.steps - 1}.",
         "Prediction: netgain.cost.network.predict with the lab presets and codec encode/decode "
-        "timed on this machine, from (a) the compute-bound limit measured once per world size "
-        "(no rate limit, no compression: step minus the hook's network wait), fully independent "
-        "of the row; (b) the row's own compute (its step minus its network wait), which isolates "
+        f"timed on this machine, from (a) the compute-bound limit measured once per "
+        f"{args.limit_every if args.limit_every == 'codec' else 'world size'} (no rate limit, no "
+        "compression: step minus the hook's network wait), independent of the row; (b) the row's own compute (its step minus its network wait), which isolates "
         "the network part of the model from load changes on the shared machine.",
         "",
         "| workers | rate | codec | measured step s | predicted (a) s | error (a) | predicted (b) s "
