@@ -193,6 +193,7 @@ def test_recommendation_is_none_on_nvlink_and_a_codec_on_a_slow_link():
     chosen = advise.recommend(slow)
     assert chosen.profile.name != "none" and chosen.speedup > 1.05
     assert {r.profile.name.split("(")[0] for r in slow} == {name for name, _ in advise.CANDIDATES}
+    assert advise.recommend(slow, unbiased_only=True).unbiased
 
 
 def test_cli_prints_every_codec_and_a_recommendation(capsys):

@@ -114,10 +114,15 @@ def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: flo
     return [Row(prof, p, baseline / p.step_s, unbiased) for prof, unbiased, p in predictions]
 
 
-def recommend(rows: list[Row], tolerance: float = 0.05) -> Row:
-    """The least lossy codec (most wire bits) within `tolerance` of the fastest step time."""
+def recommend(rows: list[Row], tolerance: float = 0.05, unbiased_only: bool = False) -> Row:
+    """The least lossy codec (most wire bits) within `tolerance` of the fastest step time.
+
+    `unbiased_only`: choose among unbiased codecs (and "none") only, for users who want the
+    standard SGD convergence guarantees rather than error feedback.
+    """
     if tolerance < 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
+    rows = [r for r in rows if r.unbiased] if unbiased_only else rows
     best = min(r.prediction.step_s for r in rows)
     close = [r for r in rows if r.prediction.step_s <= best * (1 + tolerance)]
     return max(close, key=lambda r: (r.profile.wire_bits, -r.prediction.step_s))
@@ -168,6 +173,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="auto",
                         help="native allreduce algorithm: ring, tree, or auto = the faster per "
                         "message, as NCCL picks (default auto)")
+    parser.add_argument("--unbiased-only", action="store_true",
+                        help="recommend only unbiased codecs (no top-k/random-k, no 16-bit casts)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
                         "(default 0.05)")
@@ -202,7 +209,7 @@ def run(args) -> int:
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
 
     rows = evaluate(buckets, args.workers, link, compute_s, cost, args.algorithm)
-    chosen = recommend(rows, args.tolerance)
+    chosen = recommend(rows, args.tolerance, args.unbiased_only)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
     print(f"link: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per rank, "
@@ -213,7 +220,7 @@ def run(args) -> int:
     print(format_table(rows, chosen))
     print()
     if chosen.profile.name == "none":
-        best = max(rows, key=lambda r: r.speedup)
+        best = max((r for r in rows if r.unbiased or not args.unbiased_only), key=lambda r: r.speedup)
         print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster; "
               f"best: {best.profile.name} at {best.speedup:.2f}x)")
     else:
