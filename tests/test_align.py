@@ -174,8 +174,9 @@ def test_predicted_latency_counts_both_factors():
 
 def test_measurements_run_on_a_tiny_model():
     model = tiny("qwen2")
-    assert evaluate.measure_prefill(model, 16, warmup=0, repeats=1) > 0
-    assert evaluate.measure_decode(model, 16, warmup=0, repeats=1) > 0
+    latency = evaluate.interleaved_latency({"a": model, "b": copy.deepcopy(model)}, 16, repeats=2, warmup=0)
+    assert set(latency) == {"a", "b"}
+    assert all(t["prefill_s"] > 0 and t["decode_s"] > 0 for t in latency.values())
     assert 1 < evaluate.perplexity(model, batches(2)) < 1e4
 
 

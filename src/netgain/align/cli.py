@@ -96,25 +96,24 @@ def run(args) -> int:
 
     costs = {args.cost: cost, **{p: AnalyticCost(p) for p in predict if p != args.cost}}
     out = Path(args.out)
-    rows = []
-    for variant in tqdm(variants, desc="evaluate variants", unit="variant"):
-        candidate = copy.deepcopy(model)
+    built = {}
+    for variant in variants:
+        candidate = model if variant == "dense" else copy.deepcopy(model)
         compressor.apply(candidate, sizes[variant])
-        rows.append(
-            report.evaluate_variant(
-                variant, candidate, units, sizes[variant], costs=costs, preferred_multiple=cost.preferred_multiple,
-                seq_len=args.seq, eval_chunks=held_out, repeats=args.repeats,
-            )
+        built[variant] = (candidate, sizes[variant])
+    store.save(built[args.save][0], out, tokenizer, method=args.method, variant=args.save, param_ratio=args.param_ratio,
+               sizes=sizes[args.save])
+    with tqdm(total=len(variants) + 1, desc="perplexity, then latency in turns", unit="step") as bar:
+        rows = report.compare(
+            built, units, costs=costs, preferred_multiple=cost.preferred_multiple, seq_len=args.seq,
+            eval_chunks=held_out, repeats=args.repeats, progress=bar,
         )
-        if variant == args.save:
-            store.save(candidate, out, tokenizer, method=args.method, variant=variant, param_ratio=args.param_ratio, sizes=sizes[variant])
-        del candidate
 
     table = report.markdown(rows, budget, cost.preferred_multiple)
     summary = (
         f"model {args.model}; {args.method} at param ratio {args.param_ratio}: decoder Linears {dense_params:,} -> "
         f"budget {budget:,} (raw compressor); cost model for GAC: {cost.name}; prefill S={args.seq}, batch 1, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)"
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(f"{summary}\n\n{table}")

@@ -1,7 +1,6 @@
 """Measurements of a (compressed) causal LM: perplexity, measured and predicted prefill/decode latency.
 
-Prefill is timed as `generate` runs it (logits for the last token only), batch 1, after warm-up,
-median of repeats; decode is the time of one new token on top of a `context`-token KV cache.
+Latency of several variants is timed in turns (see `interleaved_latency`), batch 1, median of repeats.
 Predicted latency sums a cost model's GEMMs over every Linear in the decoder layers (factorised
 ones as their two GEMMs), one SDPA per layer and the LM head for one token.
 """
@@ -13,6 +12,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -54,33 +54,35 @@ def perplexity(model: nn.Module, chunks: list[torch.Tensor]) -> float:
     return math.exp(total / tokens)
 
 
-def _median_time(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
-def measure_prefill(model: nn.Module, seq_len: int, warmup: int = 1, repeats: int = 5) -> float:
-    """Median seconds of a batch-1 prefill of `seq_len` tokens (last-token logits, as generate does)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    return _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), warmup, repeats)
+def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: int = 5, warmup: int = 1) -> dict[str, dict[str, float]]:
+    """Median prefill and decode seconds of each model (batch 1), timed in turns A B C A B C ...
 
-
-@torch.inference_mode()
-def measure_decode(model: nn.Module, context: int, warmup: int = 2, repeats: int = 10) -> float:
-    """Median seconds of one decode step after a `context`-token prefill (batch 1, KV cache)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
-    # transformers 5 calls the KV cache `cache`; earlier releases `past_key_values`
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = getattr(model(input_ids=ids[:, :context], use_cache=True), key)
-    step = {"input_ids": ids[:, context:], key: cache, "use_cache": True, "logits_to_keep": 1}
-    return _median_time(lambda: model(**step), warmup, repeats)
+    Prefill runs `seq_len` tokens with last-token logits only, as `generate` does; decode is one new
+    token on top of a `seq_len`-token KV cache. Taking turns spreads the load of other processes on
+    a shared machine over every model alike, so the ratios between models stay meaningful.
+    """
+    ids = torch.randint(0, min(m.config.vocab_size for m in models.values()), (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    prompt, step = ids[:, :seq_len], ids[:, seq_len:]
+    decode_inputs = {}
+    for name, model in models.items():
+        # transformers 5 calls the KV cache `cache`; earlier releases `past_key_values`
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = getattr(model(input_ids=prompt, use_cache=True), key)
+        decode_inputs[name] = {"input_ids": step, key: cache, "use_cache": True, "logits_to_keep": 1}
+    times = {name: {"prefill_s": [], "decode_s": []} for name in models}
+    for round_ in range(warmup + repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model(input_ids=prompt, use_cache=False, logits_to_keep=1)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            model(**decode_inputs[name])
+            decode = time.perf_counter() - start
+            if round_ >= warmup:
+                times[name]["prefill_s"].append(prefill)
+                times[name]["decode_s"].append(decode)
+    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
 
 
 def predicted_latency(model: nn.Module, cost, tokens: int, context: int) -> float:

@@ -27,36 +27,49 @@ class Row:
         return asdict(self)
 
 
-def evaluate_variant(
-    variant: str,
-    model: nn.Module,
+def compare(
+    variants: Mapping[str, tuple[nn.Module, Mapping[str, int]]],
     units: Sequence[Unit],
-    sizes: Mapping[str, int],
     *,
     costs: Mapping[str, object],
     preferred_multiple: int,
     seq_len: int,
     eval_chunks,
     repeats: int,
-) -> Row:
-    """Measure one variant: parameters, alignment, perplexity, measured and predicted latency."""
-    return Row(
-        variant=variant,
-        unit_params=total_params(units, sizes),
-        model_params=evaluate.parameter_count(model),
-        aligned_8=aligned_fraction(units, sizes, 8),
-        aligned_preferred=aligned_fraction(units, sizes, preferred_multiple),
-        perplexity=evaluate.perplexity(model, eval_chunks),
-        measured_prefill_s=evaluate.measure_prefill(model, seq_len, repeats=repeats),
-        measured_decode_s=evaluate.measure_decode(model, seq_len, repeats=2 * repeats),
-        predicted={
-            name: {
-                "prefill_s": evaluate.predicted_latency(model, cost, seq_len, seq_len),
-                "decode_s": evaluate.predicted_latency(model, cost, 1, seq_len + 1),
-            }
-            for name, cost in costs.items()
-        },
-    )
+    progress=None,
+) -> list[Row]:
+    """One row per variant (model, unit sizes): parameters, alignment, perplexity, predicted latency,
+    and measured latency timed in turns across all variants."""
+    rows = []
+    for variant, (model, sizes) in variants.items():
+        rows.append(
+            Row(
+                variant=variant,
+                unit_params=total_params(units, sizes),
+                model_params=evaluate.parameter_count(model),
+                aligned_8=aligned_fraction(units, sizes, 8),
+                aligned_preferred=aligned_fraction(units, sizes, preferred_multiple),
+                perplexity=evaluate.perplexity(model, eval_chunks),
+                measured_prefill_s=float("nan"),
+                measured_decode_s=float("nan"),
+                predicted={
+                    name: {
+                        "prefill_s": evaluate.predicted_latency(model, cost, seq_len, seq_len),
+                        "decode_s": evaluate.predicted_latency(model, cost, 1, seq_len + 1),
+                    }
+                    for name, cost in costs.items()
+                },
+            )
+        )
+        if progress is not None:
+            progress.update(1)
+    latency = evaluate.interleaved_latency({v: m for v, (m, _) in variants.items()}, seq_len, repeats)
+    for row in rows:
+        row.measured_prefill_s = latency[row.variant]["prefill_s"]
+        row.measured_decode_s = latency[row.variant]["decode_s"]
+    if progress is not None:
+        progress.update(1)
+    return rows
 
 
 def markdown(rows: Sequence[Row], budget: int, preferred_multiple: int, baseline: str = "dense") -> str:
