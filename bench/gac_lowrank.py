@@ -53,10 +53,12 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
         if not path.exists():
             path.write_text("\n\n".join(f.read_text(errors="replace") for f in python_docs_split(split)))
     out = RUNS / "gac_gemma"
+    kernels = out / "kernels.json"  # measured in this run, not reused from an earlier one
+    kernels.unlink(missing_ok=True)
     argv = [
         "--model", str(model_dir), "--calib", str(text_dir / "calib.txt"), "--eval", str(text_dir / "eval.txt"),
         "--out", str(out), "--param-ratio", "0.85", "--cost", "measured", "--calib-seqs", "8", "--calib-len", "256",
-        "--eval-chunks", "4", "--seq", "512", "--repeats", str(repeats), "--predict", "a100,h100",
+        "--eval-chunks", "4", "--seq", "512", "--repeats", str(repeats), "--predict", "a100,h100", "--cache", str(kernels),
     ]
     parser = argparse.ArgumentParser()
     align_cli.configure(parser)
@@ -75,7 +77,9 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
         "## 1. Gemma-3-270M, ASVD at parameter ratio 0.85 (CPU, float32)\n\n"
         f"Command (inside this script): `netgain align {' '.join(argv)}`\n\n"
         "Calibration: 8 x 256 tokens of the Python docs' library reference; perplexity: 4 x 512 tokens of the\n"
-        "other Python docs (tutorial, reference, howto, ...). Latency: batch 1, median of repeats, in one run.\n\n"
+        "other Python docs (tutorial, reference, howto, ...). Latency: batch 1, median of repeats, variants timed\n"
+        "in turns in one run. Units the compressor keeps dense count as aligned. Predicted columns: the sum of the\n"
+        "kernels (GEMMs, SDPA, LM head for one token) under each cost model; measured-kernels = timed on this CPU.\n\n"
         + (out / "report.md").read_text()
         + "\nRatios from this run: "
         + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items())
@@ -117,7 +121,9 @@ def with_ranks(model, sizes: dict[str, int], units):
 def llama_cpu_section(layers: int, seq: int, repeats: int) -> tuple[str, dict]:
     model = llama3_8b_shaped(layers=layers, dtype=torch.bfloat16)
     units = synthetic_units(model)
-    cost = MeasuredCost("cpu", "bfloat16", warmup=1, repeats=repeats)
+    kernels = RUNS / "gac_llama_kernels.json"  # measured in this run
+    kernels.unlink(missing_ok=True)
+    cost = MeasuredCost("cpu", "bfloat16", warmup=1, repeats=repeats, cache=kernels)
     t0 = time.perf_counter()
     sizes = variant_sizes(units, cost, seq)
     select_s = time.perf_counter() - t0

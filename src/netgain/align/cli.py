@@ -38,6 +38,7 @@ def configure(parser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="candidates per side of the proposed size")
     parser.add_argument("--tolerance", type=float, default=0.03, help="measured speed-ups below this fraction are noise")
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
+    parser.add_argument("--cache", default=None, help="kernel timing table for --cost measured (default: ~/.cache/netgain/...)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
@@ -83,7 +84,10 @@ def run(args) -> int:
     budget = total_params(units, proposed_sizes(units))
     dense_params = total_params(units, full_sizes(units))
 
-    cost = MeasuredCost("auto", args.dtype, repeats=args.repeats) if args.cost == "measured" else AnalyticCost(args.cost)
+    if args.cost == "measured":
+        cost = MeasuredCost("auto", args.dtype, repeats=args.repeats, cache=args.cache)
+    else:
+        cost = AnalyticCost(args.cost)
     sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
     sizes["round-nearest"] = gac.round_sizes(units, 8, "nearest")
     sizes["round-down"] = gac.round_sizes(units, 8, "down")
@@ -94,7 +98,9 @@ def run(args) -> int:
     if isinstance(cost, MeasuredCost):
         cost.save()
 
-    costs = {args.cost: cost, **{p: AnalyticCost(p) for p in predict if p != args.cost}}
+    # predicted latency: the sum of the cost model's kernels ("measured-kernels": timed on this device)
+    costs = {"measured-kernels" if args.cost == "measured" else args.cost: cost}
+    costs.update({p: AnalyticCost(p) for p in predict if p not in costs})
     out = Path(args.out)
     built = {}
     for variant in variants:

@@ -78,8 +78,8 @@ def markdown(rows: Sequence[Row], budget: int, preferred_multiple: int, baseline
     cost_names = list(rows[0].predicted)
     header = (
         f"| variant | unit params | / budget | model params | aligned %8 | aligned %{preferred_multiple} | perplexity "
-        "| prefill ms (measured) | vs dense | decode ms (measured) | "
-        + " | ".join(f"prefill ms ({c}) | decode ms ({c})" for c in cost_names)
+        "| measured prefill ms | vs dense | measured decode ms | "
+        + " | ".join(f"predicted prefill ms ({c}) | predicted decode ms ({c})" for c in cost_names)
         + " |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
