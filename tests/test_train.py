@@ -1,18 +1,16 @@
 """`netgain train` end to end: spawned gloo workers, records, checkpoint/resume exactness."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from netgain import train
+from netgain import cli
 
 
 def run_train(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    train.configure(parser)
-    return train.run(parser.parse_args(list(argv)))
+    """The `netgain train ...` command line, in-process (the workers are spawned as usual)."""
+    return cli.main(["train", *argv])
 
 
 def summary(out) -> dict:

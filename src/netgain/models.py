@@ -45,8 +45,3 @@ def digits_mlp(hidden: int = 128) -> nn.Module:
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-def gradient_bytes(model: nn.Module) -> int:
-    """fp32 bytes of one full gradient: what plain DDP sends per step (before the ring factor)."""
-    return sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-
