@@ -31,11 +31,7 @@ from netgain import data, models
 TASKS = ("lm", "digits")
 ENCODINGS = ("packed", "int8")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# task -> defaults for the options whose sensible value depends on the task
-TASK_DEFAULTS = {
-    "lm": dict(steps=300, batch_size=16, lr=3e-3, eval_every=50),
-    "digits": dict(steps=300, batch_size=32, lr=3e-3, eval_every=50),
-}
+DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
 VALIDATION_BATCH_SIZE = 8
@@ -75,15 +71,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoding", choices=ENCODINGS, default="packed", help="gqsgd wire encoding")
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
-    parser.add_argument("--steps", type=int, help="total optimizer steps, counted from 0 also when resuming "
-                        "(default: lm 300, digits 300)")
-    parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32)")
-    parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--steps", type=int, default=300, help="total optimizer steps, counted from 0 also when resuming")
+    parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
     parser.add_argument("--world-size", type=int, default=2,
                         help="local CPU workers to spawn on gloo (under torchrun its WORLD_SIZE applies)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
-    parser.add_argument("--eval-every", type=int, help="validate every N steps, 0: only at the end (default 50)")
+    parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
     parser.add_argument("--out", help="output folder for record.json and loss.png (default runs/<codec>-<time>)")
     parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
                         "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step")
@@ -111,29 +106,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """Fill task-dependent defaults and reject bad values before any worker starts."""
-    defaults = TASK_DEFAULTS[args.task]
-    values = {name: getattr(args, name) if getattr(args, name) is not None else default
-              for name, default in defaults.items()}
-    for name in ("steps", "batch_size", "world_size", "seq_len"):
-        value = values.get(name, getattr(args, name))
+    """Fill the task's default batch size and reject bad values before any worker starts."""
+    batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
+    for name, value in (("steps", args.steps), ("batch-size", batch_size), ("world-size", args.world_size),
+                        ("seq-len", args.seq_len)):
         if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if values["lr"] <= 0:
-        raise ValueError(f"--lr must be positive, got {values['lr']}")
-    if values["eval_every"] < 0:
-        raise ValueError(f"--eval-every must be 0 (only at the end) or positive, got {values['eval_every']}")
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.eval_every < 0:
+        raise ValueError(f"--eval-every must be 0 (only at the end) or positive, got {args.eval_every}")
     if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint):
         raise ValueError(f"--checkpoint-every must be >= 0 and needs --checkpoint, got {args.checkpoint_every}")
     if args.data is not None and args.task != "lm":
         raise ValueError("--data applies to --task lm only")
     out = args.out or str(Path("runs") / f"{args.codec}-{time.strftime('%Y%m%d-%H%M%S')}")
     return TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
-                       ratio=args.ratio, warmup_steps=args.warmup_steps, world_size=args.world_size,
-                       seed=args.seed, data=args.data, out=out, checkpoint=args.checkpoint,
-                       checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, hidden_size=args.hidden_size, layers=args.layers,
-                       seq_len=args.seq_len, **values)
+                       ratio=args.ratio, warmup_steps=args.warmup_steps, steps=args.steps,
+                       batch_size=batch_size, lr=args.lr, world_size=args.world_size, seed=args.seed,
+                       data=args.data, eval_every=args.eval_every, out=out, checkpoint=args.checkpoint,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len)
 
 
 def launched_by_torchrun() -> bool:
