@@ -26,8 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return importlib.import_module(args._module).run(args) or 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return importlib.import_module(args._module).run(args) or 0
+    except ValueError as error:  # bad input: one clear line, not a traceback
+        parser.error(f"{args.command}: {error}")
 
 
 if __name__ == "__main__":

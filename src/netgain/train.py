@@ -33,6 +33,8 @@ ENCODINGS = ("packed", "int8")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
+ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "predicted_comm_s", "plan")  # per step, kimad only
+CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
 VALIDATION_BATCH_SIZE = 8
 FINAL_TRAIN_LOSS_WINDOW = 10  # final train loss = mean over the last 10 steps (one step is noise)
@@ -47,6 +49,9 @@ class TrainConfig:
     encoding: str
     ratio: float
     warmup_steps: int
+    powersgd_rank: int
+    comm_budget_ms: float | None
+    replan_every: int
     steps: int
     batch_size: int
     lr: float
@@ -66,11 +71,18 @@ class TrainConfig:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=TASKS, default="lm",
                         help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
-    parser.add_argument("--codec", choices=comm.CODEC_NAMES, default="none")
+    parser.add_argument("--codec", choices=CODEC_CHOICES, default="none",
+                        help="netgain codec; kimad/kimad+ adapt to the measured bandwidth; "
+                        "ddp, ddp-fp16, ddp-powersgd are PyTorch's own hooks, for comparison")
     parser.add_argument("--bits", type=int, default=8, help="quantisation bits (qsgd, gqsgd, gqsgd-exp)")
     parser.add_argument("--encoding", choices=ENCODINGS, default="packed", help="gqsgd wire encoding")
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix approximation rank (ddp-powersgd)")
+    parser.add_argument("--comm-budget-ms", type=float,
+                        help="kimad: communication time target per step (default: the measured backward time)")
+    parser.add_argument("--replan-every", type=int, default=10,
+                        help="kimad: re-plan every N steps (and whenever the bandwidth moves by more than 20%%)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps, counted from 0 also when resuming")
     parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
@@ -122,7 +134,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ValueError("--data applies to --task lm only")
     out = args.out or str(Path("runs") / f"{args.codec}-{time.strftime('%Y%m%d-%H%M%S')}")
     return TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
-                       ratio=args.ratio, warmup_steps=args.warmup_steps, steps=args.steps,
+                       ratio=args.ratio, warmup_steps=args.warmup_steps, powersgd_rank=args.powersgd_rank,
+                       comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
                        batch_size=batch_size, lr=args.lr, world_size=args.world_size, seed=args.seed,
                        data=args.data, eval_every=args.eval_every, out=out, checkpoint=args.checkpoint,
                        checkpoint_every=args.checkpoint_every, resume=args.resume,
@@ -229,9 +242,14 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical initialisation on every rank
         model = self.task.build_model().to(device)
         self.ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        self.comm_state = comm.register(self.ddp, codec=config.codec, bits=config.bits,
-                                        encoding=config.encoding, ratio=config.ratio,
-                                        warmup_steps=config.warmup_steps, seed=config.seed)
+        if config.codec in comm.baselines.BASELINES:
+            self.comm_state = comm.baselines.register(self.ddp, config.codec, rank=config.powersgd_rank,
+                                                      warmup_steps=config.warmup_steps)
+        else:
+            self.comm_state = comm.register(self.ddp, codec=config.codec, bits=config.bits,
+                                            encoding=config.encoding, ratio=config.ratio,
+                                            warmup_steps=config.warmup_steps, seed=config.seed,
+                                            comm_budget_ms=config.comm_budget_ms, replan_every=config.replan_every)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
         if self.start_step >= config.steps:
@@ -239,7 +257,7 @@ class Trainer:
 
     def train(self) -> None:
         c = self.config
-        history: dict[str, list] = {"step": [], "step_s": [], "train_loss": []}
+        history: dict[str, list] = {"step": [], "step_s": [], "time_unix": [], "train_loss": []}
         validations = [{"step": self.start_step, **self.evaluate()}]
         samples_per_step = c.batch_size * self.world_size
         bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
@@ -254,9 +272,11 @@ class Trainer:
             step_s = time.perf_counter() - start
             history["step"].append(step)
             history["step_s"].append(step_s)
+            history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
-            for key in COMM_STATISTICS:
-                history.setdefault(key, []).append(self.comm_state.last_step[key])
+            adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()
+            for key in COMM_STATISTICS + adaptive:
+                history.setdefault(key, []).append(self.comm_state.last_step.get(key))
             bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{samples_per_step / step_s:.0f}", refresh=False)
             done = step + 1
             if c.eval_every and done % c.eval_every == 0 and done < c.steps:
@@ -336,8 +356,12 @@ def report(config: TrainConfig, world_size: int, history: dict, validations: lis
               "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
     (out / "record.json").write_text(json.dumps(record, indent=1))
     plot_losses(history, validations, out / "loss.png", f"{config.task}, codec {config.codec}")
+    written = [out / "record.json", out / "loss.png"]
+    if config.codec in comm.ADAPTIVE_MODES:
+        plot_adaptive(history, out / "adaptive.png", f"{config.codec}, {world_size} workers")
+        written.append(out / "adaptive.png")
     print(format_table(summary))
-    print(f"wrote {out / 'record.json'} and {out / 'loss.png'}")
+    print("wrote " + ", ".join(map(str, written)))
 
 
 def summarize(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
@@ -389,6 +413,47 @@ def plot_losses(history: dict, validations: list[dict], path: Path, title: str) 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_adaptive(history: dict, path: Path, title: str) -> None:
+    """Kimad over the run: bandwidth estimate, bits chosen per bucket, communication vs budget, loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s + 1 for s in history["step"]]
+    fig, axes = plt.subplots(4, 1, figsize=(7, 9), sharex=True)
+    mbit = [b * 8e-6 if b else float("nan") for b in history["bandwidth_Bps"]]
+    axes[0].plot(steps, mbit)
+    axes[0].set(ylabel="bandwidth\nestimate (Mbit/s)", title=title)
+    buckets = sorted({int(i) for plan in history["plan"] if plan for i in plan})
+    for index in buckets:
+        bits = [_plan_bits((plan or {}).get(index, (plan or {}).get(str(index)))) for plan in history["plan"]]
+        axes[1].step(steps, bits, where="post", label=f"bucket {index}")
+    axes[1].set(ylabel="bits per element\nchosen")
+    axes[1].legend(fontsize=7)
+    communication = [c + e + d for c, e, d in zip(history["comm_s"], history["encode_s"], history["decode_s"])]
+    axes[2].plot(steps, [1e3 * t for t in communication], label="communication (measured)")
+    axes[2].plot(steps, [1e3 * b if b else float("nan") for b in history["budget_s"]], "--", label="budget")
+    axes[2].set(ylabel="ms per step")
+    axes[2].legend(fontsize=7)
+    axes[3].plot(steps, history["train_loss"])
+    axes[3].set(xlabel="step", ylabel="train loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plan_bits(codec: str | None) -> float:
+    """Payload bits per element of a planned codec, read from its name (32 for none)."""
+    if codec is None:
+        return float("nan")
+    if codec.startswith("gqsgd"):
+        return float(codec.split("bits=")[1].split(",")[0])
+    if codec.startswith("topk"):
+        return 64 * float(codec.split("ratio=")[1].rstrip(")"))
+    return 32.0
 
 
 def git_state() -> dict:

@@ -5,6 +5,7 @@
     ... train ...; state.last_step  # wire bytes, timings of the last step
 """
 
+from . import baselines
 from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
 from .codecs import CODEC_NAMES as FIXED_CODEC_NAMES, Codec, make_codec, time_codec
 from .hooks import CommState, NonFiniteGradientError, PlanMismatchError, hook, register

@@ -16,6 +16,8 @@ header checks it bucket by bucket anyway.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import plan as knapsack
@@ -72,9 +74,10 @@ class AdaptivePlanner:
     # ---- at the end of a step, on the communication thread ---------------------------------------
     def end_step(self, link, step: int, backward_s: float) -> None:
         local_bandwidth, local_latency = self.monitor.local_estimate()
-        agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, local_latency], dtype=torch.float64),
+        # MAX of bandwidth and backward time, MIN of latency (as -MAX of -latency): the least-waiting rank's view
+        agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, -local_latency], dtype=torch.float64),
                                 torch.distributed.ReduceOp.MAX).tolist()
-        bandwidth = self.monitor.update(agreed[0], agreed[2])
+        bandwidth = self.monitor.update(agreed[0], -agreed[2])
         self._backward_s = agreed[1] if self._backward_s is None else 0.7 * self._backward_s + 0.3 * agreed[1]
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
@@ -87,6 +90,7 @@ class AdaptivePlanner:
                  and abs(bandwidth - self._planned_bandwidth) > self.replan_threshold * self._planned_bandwidth)
         replanned = bandwidth is not None and bool(self.errors) and (measured or moved)
         if replanned:
+            self._agree_profiles(link)
             self._solve(bandwidth, link.world_size)
         self.last = {"bandwidth_Bps": bandwidth, "budget_s": self.budget_s(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
@@ -116,10 +120,18 @@ class AdaptivePlanner:
         self._planned_bandwidth = bandwidth
         self._stale = False
 
+    def _agree_profiles(self, link) -> None:
+        """Calibrate every option's encode/decode cost once; ranks agree on the slowest (MAX)."""
+        n = link.world_size
+        if n in self._profiles:
+            return
+        local = [network.profile_codec(o, n, calibration_numel=1 << 18) for o in self.options]
+        costs = torch.tensor([[p.encode_s_per_elem, p.decode_s_per_elem] for p in local], dtype=torch.float64)
+        costs = link.allreduce(costs, torch.distributed.ReduceOp.MAX).tolist()
+        self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)
+                             for p, (e, d) in zip(local, costs)]
+
     def _option_s(self, option_index: int, numel: int, world_size: int, fabric: network.Link) -> float:
-        if world_size not in self._profiles:  # calibrated once: this machine's encode/decode cost
-            self._profiles[world_size] = [network.profile_codec(o, world_size, calibration_numel=1 << 18)
-                                          for o in self.options]
         profile = self._profiles[world_size][option_index]
         compute = numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
         return network.collective_s(numel, world_size, fabric, profile) + compute

@@ -18,10 +18,11 @@ class BandwidthMonitor:
 
     smoothing: weight of the newest step. A step whose estimate is more than `outlier` times off
     the current one is held back once; if the next step agrees with it, the link really changed.
-    Collectives under `min_bytes` (headers) measure latency, not bandwidth.
+    Collectives under `min_bytes` (headers) measure the latency alpha; larger ones the bandwidth,
+    with alpha taken off their time, so heavily compressed payloads still keep the estimate live.
     """
 
-    def __init__(self, smoothing: float = 0.5, outlier: float = 3.0, min_bytes: int = 32 * 1024):
+    def __init__(self, smoothing: float = 0.5, outlier: float = 3.0, min_bytes: int = 4 * 1024):
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.smoothing, self.outlier, self.min_bytes = smoothing, outlier, min_bytes
@@ -36,7 +37,7 @@ class BandwidthMonitor:
             self._small.append(seconds)
         else:
             self._wire_bytes += WIRE_FACTOR[collective](world_size) * payload_bytes
-            self._seconds += seconds
+            self._seconds += max(seconds - self.latency, seconds / 2)
 
     def local_estimate(self) -> tuple[float, float]:
         """This rank's (bandwidth, latency) for the step just ended; resets the step's samples."""

@@ -71,6 +71,7 @@ class CommState:
         self._feedback: dict[str, EF21] = {}
         self._records: list[dict] = []
         self._first_submit = self._last_submit = 0.0
+        self._forward_end: float | None = None  # set by register()'s forward hook
         self._step_open = False
         self._link: Link | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -223,7 +224,7 @@ class CommState:
         records, self._records = self._records, []
         totals = {key: sum(r[key] for r in records) for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
         totals.update(step=self.step, buckets=len(records), wait_s=time.perf_counter() - self._last_submit,
-                      backward_s=self._last_submit - self._first_submit,
+                      backward_s=self._last_submit - (self._forward_end or self._first_submit),
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         if self.planner and self._link is not None:
             self.planner.end_step(self._link, self.step, totals["backward_s"])
@@ -294,6 +295,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | 
     state = CommState(codec, process_group=process_group, param_names=names, **options)
     _check_same_config(state)
     ddp_model.register_comm_hook(state, hook)
+    ddp_model.module.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
     return state
 
 
