@@ -1,0 +1,180 @@
+"""Kimad on a link whose rate changes during training (throttled-network lab, root needed).
+
+Every run trains the default `netgain train` job on 2 lab workers while the lab changes the
+link rate at fixed steps (default 1gbit -> 100mbit -> 300mbit, `tc qdisc change`), read live
+from rank 0's progress bar so every run sees the same schedule at the same steps. Rows: kimad+
+and kimad with a communication budget, fixed gqsgd 8-bit, fp32 (`none`), and the fixed gqsgd
+whose bits per element come closest to kimad+'s average traffic.
+
+    python bench/kimad_lab.py [--steps 120] [--schedule 0:1gbit,40:100mbit,80:300mbit] [--budget-ms 200]
+
+Writes bench/results/kimad_lab.md/.csv and kimad_lab.png; records stay under runs/kimad_lab/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
+from model_validation import threads_per_worker  # noqa: E402
+
+from netgain.comm.codecs import make_codec  # noqa: E402
+
+SETTLE_STEPS = 3  # steps after a rate change before the budget is held to account (monitor + re-plan)
+WITHIN = 1.10     # "within 10% of the budget"
+
+
+def parse_schedule(text: str) -> list[tuple[int, str]]:
+    """'0:1gbit,40:100mbit' -> [(0, '1gbit'), (40, '100mbit')], steps ascending from 0."""
+    phases = [(int(step), rate) for step, rate in (part.split(":") for part in text.split(","))]
+    if phases[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(phases, phases[1:])):
+        raise ValueError(f"--schedule must start at step 0 and ascend, got {text!r}")
+    return phases
+
+
+def run_with_schedule(name: str, args_: list[str], steps: int, schedule, out: Path) -> dict:
+    """Train on the lab, changing the rate when rank 0's progress bar reaches each phase's step."""
+    cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
+           "--eval-every", "0", "--out", str(out), *args_]
+    env = {"OMP_NUM_THREADS": str(threads_per_worker(2)), "HF_HUB_OFFLINE": "1"}
+    with Lab(2, schedule[0][1]) as lab:
+        procs = lab.start(cmd, extra_env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for p in procs[1:]:
+            threading.Thread(target=p.stderr.read, daemon=True).start()  # drain
+        pending = list(schedule[1:])
+        buffer = b""
+        while True:
+            chunk = procs[0].stderr.read1(4096) if hasattr(procs[0].stderr, "read1") else procs[0].stderr.read(64)
+            if not chunk:
+                break
+            buffer = (buffer + chunk)[-4096:]
+            done = [int(m) for m in re.findall(rb"\|\s*(\d+)/\d+ \[", buffer)]
+            while pending and done and max(done) >= pending[0][0]:
+                lab.set_rate(pending.pop(0)[1])
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{name} failed on the lab ({codes}): {buffer.decode(errors='replace')[-2000:]}")
+    return json.loads((out / "record.json").read_text())
+
+
+def phase_stats(record: dict, schedule, budget_s: float) -> list[dict]:
+    steps = record["per_step"]
+    comm = [c + e + d for c, e, d in zip(steps["comm_s"], steps["encode_s"], steps["decode_s"])]
+    bounds = [s for s, _ in schedule] + [len(comm)]
+    rows = []
+    for (start, rate), end in zip(schedule, bounds[1:]):
+        held = comm[start + SETTLE_STEPS:end]
+        bandwidth = [b for b in (steps.get("bandwidth_Bps") or [None] * len(comm))[start + SETTLE_STEPS:end] if b]
+        rows.append({"rate": rate, "steps": f"{start + SETTLE_STEPS}-{end - 1}",
+                     "comm_median_s": statistics.median(held), "comm_p90_s": sorted(held)[int(0.9 * (len(held) - 1))],
+                     "within_budget": sum(t <= WITHIN * budget_s for t in held) / len(held),
+                     "bandwidth_mbit": statistics.median(bandwidth) * 8e-6 if bandwidth else None,
+                     "wire_bytes": statistics.mean(steps["wire_bytes"][start:end])})
+    return rows
+
+
+def closest_bits(wire_bytes: float, raw_bytes: float, world_size: int) -> int:
+    bits_per_element = 32 * wire_bytes / raw_bytes
+    # ties (e.g. 7 and 8 bits both pack into 9.1 bits at n = 2) go to the more precise codec
+    return min(range(2, 9), key=lambda b: (abs(make_codec("gqsgd", bits=b).wire_bits(world_size) - bits_per_element), -b))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--schedule", default="0:1gbit,40:100mbit,80:300mbit")
+    parser.add_argument("--budget-ms", type=float, default=200.0)
+    parser.add_argument("--runs", type=Path, default=Path("runs/kimad_lab"))
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    schedule = parse_schedule(args.schedule)
+    budget_s = args.budget_ms / 1e3
+    load_start = os.getloadavg()[1]
+    plan = [("kimad+", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
+            ("kimad", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
+            ("gqsgd", ["--bits", "8"]), ("none", [])]
+    records = {}
+    with terminate_on_signals():
+        for name, extra in plan:
+            label = " ".join([name, *extra[:2]]) if name.startswith("kimad") else " ".join([name, *extra])
+            print(f"== {label}", flush=True)
+            records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"))
+            if name == "kimad+":  # queue the fixed codec that sends what kimad+ sent on average
+                summary = records[label]["summary"]
+                bits = closest_bits(summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"], 2)
+                if bits != 8:
+                    plan.append(("gqsgd", ["--bits", str(bits)]))
+    rows = []
+    for label, record in records.items():
+        s = record["summary"]
+        for phase in phase_stats(record, schedule, budget_s):
+            rows.append({"run": label, **phase, "final_val_loss": s["final_val_loss"], "step_s": s["step_s"],
+                         "mean_wire_bytes": s["wire_bytes_per_step"]})
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "kimad_lab.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(records, schedule, budget_s, args.out / "kimad_lab.png")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = ["# Kimad on a link whose rate changes during training", "",
+             f"Machine: 2-core x86_64 shared with other jobs (load average {load_start:.1f} at start, "
+             f"{os.getloadavg()[1]:.1f} at end), no GPU; commit {commit}; 2 lab workers.",
+             f"Command: `python bench/kimad_lab.py --steps {args.steps} --schedule {args.schedule} "
+             f"--budget-ms {args.budget_ms}`. Communication = collective + encode + decode seconds per step "
+             f"(the hook's own timing); held to account from {SETTLE_STEPS} steps after each change.", "",
+             "| run | rate | steps | comm median s | comm p90 s | steps within 1.1 x budget | bandwidth estimate Mbit/s "
+             "| wire bytes/step | final val loss |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bandwidth = f"{r['bandwidth_mbit']:.0f}" if r["bandwidth_mbit"] else "-"
+        lines.append(f"| {r['run']} | {r['rate']} | {r['steps']} | {r['comm_median_s']:.3f} | {r['comm_p90_s']:.3f} "
+                     f"| {100 * r['within_budget']:.0f}% | {bandwidth} | {r['wire_bytes']:,.0f} | {r['final_val_loss']:.4f} |")
+    lines.append(f"\nBudget: {budget_s:.3f} s per step. Lab namespaces of this process left: "
+                 f"{sum(f'-{os.getpid()}-' in name for name in list_lab_namespaces())}.")
+    (args.out / "kimad_lab.md").write_text("\n".join(lines) + "\n")
+    print((args.out / "kimad_lab.md").read_text())
+    return 0
+
+
+def plot(records: dict, schedule, budget_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    for label, record in records.items():
+        steps = record["per_step"]
+        x = [s + 1 for s in steps["step"]]
+        comm = [c + e + d for c, e, d in zip(steps["comm_s"], steps["encode_s"], steps["decode_s"])]
+        axes[0].plot(x, comm, label=label, lw=1)
+        axes[1].plot(x, [32 * w / r for w, r in zip(steps["wire_bytes"], steps["raw_bytes"])], label=label, lw=1)
+        axes[2].plot(x, steps["train_loss"], label=label, lw=1)
+    axes[0].axhline(budget_s, color="k", ls="--", lw=1, label="kimad budget")
+    for ax in axes:
+        for start, rate in schedule[1:]:
+            ax.axvline(start, color="grey", ls=":", lw=1)
+    axes[0].set(ylabel="communication s/step", yscale="log",
+                title="rate: " + " -> ".join(f"{rate} (step {start})" for start, rate in schedule))
+    axes[1].set(ylabel="wire bits per element")
+    axes[2].set(xlabel="step", ylabel="train loss")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
