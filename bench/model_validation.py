@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
+from lab import list_lab_namespaces, terminate_on_signals  # noqa: E402
+from runs import SKIP_STEPS, measured, threads_per_worker, train_on_lab  # noqa: E402
 
 from netgain.comm.codecs import make_codec  # noqa: E402
 from netgain.cost import network as net  # noqa: E402
 
-SKIP_STEPS = 2  # the first steps build DDP's buckets and warm the allocator
 PRESET_OF_RATE = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}
 DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "qsgd:8", "gqsgd-exp:8")
 
@@ -51,40 +49,6 @@ def parse_codec(spec: str) -> tuple[str, dict]:
             params["bits"] = int(value)
     make_codec(name, **params)  # validates
     return name, params
-
-
-def threads_per_worker(workers: int) -> int:
-    """The lab's workers share this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // workers)
-
-
-def train_on_lab(workers: int, rate: str | None, name: str, params: dict, steps: int,
-                 train_args: list[str]) -> dict:
-    """Run `netgain train` with one rank per lab namespace; rank 0's record.json."""
-    out = tempfile.mkdtemp(prefix="netgain-validation-")
-    cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
-           "--eval-every", "0", "--out", out, *train_args]
-    for key, value in params.items():
-        cmd += [f"--{key}", str(value)]
-    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
-    with Lab(workers, rate) as lab:
-        codes = lab.run(cmd, extra_env=env, timeout=900, stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL)
-    if any(codes):
-        raise RuntimeError(f"netgain train failed on the lab ({codes}): {' '.join(cmd)}")
-    return json.loads((Path(out) / "record.json").read_text())
-
-
-def measured(record: dict) -> dict:
-    steps = record["per_step"]
-    keep = slice(SKIP_STEPS, None)
-    return {
-        "step_s": statistics.median(steps["step_s"][keep]),
-        "comm_s": statistics.median(steps["comm_s"][keep]),
-        "wait_s": statistics.median(steps["wait_s"][keep]),
-        "wire_bytes": statistics.median(steps["wire_bytes"][keep]),
-        "compute_s": statistics.median(s - w for s, w in zip(steps["step_s"][keep], steps["wait_s"][keep])),
-    }
 
 
 def model_buckets(train_args: list[str]) -> list[int]:
