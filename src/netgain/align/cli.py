@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 from ..cost.kernels import PRESETS
+from .prune import IMPORTANCE, SCOPES
 
-METHODS = ("asvd",)
+METHODS = ("asvd", "prune")
 COSTS = ("measured",) + tuple(sorted(PRESETS))
 VARIANTS = ("dense", "raw", "round-nearest", "round-down", "gac")
 
@@ -34,6 +35,10 @@ def configure(parser) -> None:
     parser.add_argument("--eval-chunks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512, help="prefill tokens for latency and for GAC's cost model")
     parser.add_argument("--alpha", type=float, default=0.5, help="ASVD activation exponent")
+    parser.add_argument("--importance", default="taylor", choices=IMPORTANCE, help="pruner: channel/head salience")
+    parser.add_argument("--scope", default="uniform", choices=SCOPES, help="pruner: same ratio per layer, or global ranking")
+    parser.add_argument("--layers", default=None, help="pruner: layer range START:END (END exclusive; default all)")
+    parser.add_argument("--keep-heads", action="store_true", help="pruner: prune MLP channels only")
     parser.add_argument("--multiple", type=int, default=8, help="alignment of GAC's candidates")
     parser.add_argument("--steps", type=int, default=4, help="candidates per side of the proposed size")
     parser.add_argument("--tolerance", type=float, default=0.03, help="measured speed-ups below this fraction are noise")
@@ -59,6 +64,7 @@ def run(args) -> int:
     from ..cost.kernels import AnalyticCost
     from ..cost.profile import MeasuredCost
     from . import evaluate, gac, report, store
+    from . import prune
     from .lowrank import ASVD
     from .units import full_sizes, proposed_sizes, total_params
 
@@ -76,9 +82,18 @@ def run(args) -> int:
     calib = evaluate.token_chunks(tokenizer, evaluate.read_text(args.calib), args.calib_len, args.calib_seqs)
     held_out = evaluate.token_chunks(tokenizer, evaluate.read_text(args.eval), args.seq, args.eval_chunks)
 
-    compressor = ASVD(alpha=args.alpha)
-    n_linears = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")
-    with tqdm(total=len(calib) + n_linears, desc="calibrate + SVD", unit="step") as bar:
+    if args.method == "asvd":
+        compressor, sizing = ASVD(alpha=args.alpha), gac
+        n_linears = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")
+        steps, what = len(calib) + n_linears, "calibrate + SVD"
+    else:  # the pruner's GAC re-selects MLP widths only (head counts are multiples of head_dim)
+        try:
+            layers = prune.parse_layers(args.layers)
+        except ValueError as error:
+            raise SystemExit(f"--{error}")
+        compressor, sizing = prune.Pruner(args.importance, args.scope, layers, heads=not args.keep_heads), prune
+        steps, what = len(calib), f"calibrate ({args.importance})"
+    with tqdm(total=steps, desc=what, unit="step") as bar:
         compressor.fit(model, calib, progress=bar)
     units = compressor.propose(args.param_ratio)
     budget = total_params(units, proposed_sizes(units))
@@ -89,10 +104,10 @@ def run(args) -> int:
     else:
         cost = AnalyticCost(args.cost)
     sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
-    sizes["round-nearest"] = gac.round_sizes(units, 8, "nearest")
-    sizes["round-down"] = gac.round_sizes(units, 8, "down")
+    sizes["round-nearest"] = sizing.round_sizes(units, 8, "nearest")
+    sizes["round-down"] = sizing.round_sizes(units, 8, "down")
     with tqdm(total=len(units), desc=f"GAC candidates ({cost.name})", unit="layer") as bar:
-        sizes["gac"] = gac.select(
+        sizes["gac"] = sizing.select(
             units, cost, args.seq, multiple=args.multiple, steps=args.steps, tolerance=args.tolerance, progress=bar
         )
     if isinstance(cost, MeasuredCost):

@@ -15,12 +15,13 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from .lowrank import LowRankLinear
+from .prune import PrunedLinear
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 FORMAT = "netgain-align/1"
 # manifest "kind" -> constructor from the module's spec
-MODULE_KINDS = {"lowrank": LowRankLinear.from_spec}
+MODULE_KINDS = {"lowrank": LowRankLinear.from_spec, "linear": PrunedLinear.from_spec}
 
 
 def save(model: nn.Module, out_dir: str | Path, tokenizer=None, **metadata) -> Path:
