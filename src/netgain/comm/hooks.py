@@ -136,45 +136,18 @@ class CommState:
                 self._end_step()
 
     def _aggregate(self, index: int, x: torch.Tensor, layout) -> torch.Tensor:
-        link, n = self._link, self._link.world_size
-        codec = self.codec_for(index, x.numel())
+        link, codec = self._link, self.codec_for(index, x.numel())
         bytes_before, seconds_before = link.bytes_sent, link.seconds
-        seconds = {"encode_s": 0.0, "decode_s": 0.0}
-        # codecs with per-parameter state see one segment per parameter; the casts see the bucket
-        segments = layout if codec.needs_header or self.planner else {"bucket": (0, x.numel())}
+        checked = codec.needs_header or self.planner is not None  # adaptive: every bucket's plan is checked
+        # checked codecs work per parameter (scale, RNG, EF21); the plain casts see the whole bucket
+        segments = layout if checked else {"bucket": (0, x.numel())}
         contexts = {key: self._context(key, k, codec, x.device) for key, (_, k) in segments.items()}
 
-        nonfinite = False
-        if codec.needs_header or self.planner:  # adaptive: every bucket's plan is checked
-            maxes = torch.stack([x[o:o + k].abs().max() for o, k in segments.values()]).to(torch.float32)
-            finite = torch.isfinite(maxes)
-            signature = self.plan_signature(index, codec)
-            header = torch.cat([torch.where(finite, maxes, torch.zeros_like(maxes)),
-                                torch.tensor([0.0 if bool(finite.all()) else 1.0, signature, -signature], device=x.device)])
-            link.allreduce(header, dist.ReduceOp.MAX)
-            if header[-2] != -header[-1]:
-                raise PlanMismatchError(f"bucket {index}: ranks chose different codecs (this rank: {codec.describe()})")
-            nonfinite = bool(header[-3] > 0)
-            for ctx, scale in zip(contexts.values(), header[:-3].tolist()):
-                ctx.scale = scale or 1.0  # an all-zero parameter: codes are all zero whatever the scale
-
-        if nonfinite:
+        if checked and self._header(index, codec, x, segments, contexts):
             out = self._nonfinite(index, x, layout, link)
         else:
-            payloads = [codec.encode(x[o:o + k], contexts[key]) for key, (o, k) in segments.items()]
-            payload = torch.cat(payloads, dim=-1) if len(payloads) > 1 else payloads[0]
-            if codec.collective == "allreduce":
-                aggregated = link.allreduce(payload)
-            elif codec.collective == "allgather":
-                aggregated = link.allgather(payload)
-            else:
-                combine_ctx = next(iter(contexts.values()))
-                aggregated = link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, combine_ctx))
-            parts = aggregated.split([p.shape[-1] for p in payloads], dim=-1)
-            out = torch.zeros_like(x)
-            for part, (key, (o, k)) in zip(parts, segments.items()):
-                out[o:o + k] = codec.decode(part, k, contexts[key])
-            if not codec.needs_header and not bool(torch.isfinite(out).all()):
+            out = self._exchange(codec, x, segments, contexts)
+            if not checked and not bool(torch.isfinite(out).all()):
                 # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
                 if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
                     out = self._nonfinite(index, x, layout, link)
@@ -184,15 +157,46 @@ class CommState:
                         self._feedback[key].sync(x[o:o + k], out[o:o + k])
             if self.planner and self.planner.wants_errors(self.step):
                 self.planner.observe(index, x)
-        for ctx in contexts.values():
-            for key in seconds:
-                seconds[key] += ctx.seconds[key]
 
         self._records.append({
             "index": index, "numel": x.numel(), "codec": codec.describe(),
             "wire_bytes": link.bytes_sent - bytes_before, "raw_bytes": 4 * x.numel(),
-            "comm_s": link.seconds - seconds_before, **seconds,
+            "comm_s": link.seconds - seconds_before,
+            **{key: sum(ctx.seconds[key] for ctx in contexts.values()) for key in ("encode_s", "decode_s")},
         })
+        return out
+
+    def _header(self, index, codec, x, segments, contexts) -> bool:
+        """One allreduce MAX of [max |g| per parameter, non-finite flag, plan signature, -signature].
+
+        Sets each context's global scale; returns whether any rank holds NaN/Inf in this bucket.
+        """
+        maxes = torch.stack([x[o:o + k].abs().max() for o, k in segments.values()]).to(torch.float32)
+        finite = torch.isfinite(maxes)
+        signature = self.plan_signature(index, codec)
+        header = torch.cat([torch.where(finite, maxes, torch.zeros_like(maxes)),
+                            torch.tensor([0.0 if bool(finite.all()) else 1.0, signature, -signature], device=x.device)])
+        self._link.allreduce(header, dist.ReduceOp.MAX)
+        if header[-2] != -header[-1]:  # max(signature) != min(signature)
+            raise PlanMismatchError(f"bucket {index}: ranks chose different codecs (this rank: {codec.describe()})")
+        for ctx, scale in zip(contexts.values(), header[:-3].tolist()):
+            ctx.scale = scale or 1.0  # an all-zero parameter: codes are all zero whatever the scale
+        return bool(header[-3] > 0)
+
+    def _exchange(self, codec, x, segments, contexts) -> torch.Tensor:
+        """Encode every segment, run the codec's one collective on the joined payload, decode."""
+        payloads = [codec.encode(x[o:o + k], contexts[key]) for key, (o, k) in segments.items()]
+        payload = torch.cat(payloads, dim=-1) if len(payloads) > 1 else payloads[0]
+        if codec.collective == "allreduce":
+            aggregated = self._link.allreduce(payload)
+        elif codec.collective == "allgather":
+            aggregated = self._link.allgather(payload)
+        else:
+            combine_ctx = next(iter(contexts.values()))
+            aggregated = self._link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, combine_ctx))
+        out = torch.zeros_like(x)
+        for part, (key, (o, k)) in zip(aggregated.split([p.shape[-1] for p in payloads], dim=-1), segments.items()):
+            out[o:o + k] = codec.decode(part, k, contexts[key])
         return out
 
     def _context(self, key: str, numel: int, codec: Codec, device) -> Context:
