@@ -112,14 +112,8 @@ class Cast(Codec):
             return aggregated.to(torch.float32)
 
 
-class QSGD(Codec):
-    """Classic QSGD: each worker's own scale (its max |g|), 2^(b-1)-1 levels per sign, stochastic
-    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
-    Wire: 8 bits/element (int8 codes) + one fp32 scale per bucket; the allgather makes every rank
-    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
-    """
-
-    name, collective, unbiased = "qsgd", "allgather", True
+class Int8Codes(Codec):
+    """Codecs whose codes travel as int8 whatever ``bits`` (2^(bits-1)-1 levels per sign): 8 bits/element."""
 
     def __init__(self, bits: int = 8):
         self.bits, self.levels = bits, Q.levels_per_side(bits)
@@ -129,6 +123,16 @@ class QSGD(Codec):
 
     def wire_bits(self, world_size):
         return 8.0
+
+
+class QSGD(Int8Codes):
+    """Classic QSGD: each worker's own scale (its max |g|), 2^(b-1)-1 levels per sign, stochastic
+    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
+    Wire: 8 bits/element (int8 codes) + one fp32 scale per bucket; the allgather makes every rank
+    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
+    """
+
+    name, collective, unbiased = "qsgd", "allgather", True
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
@@ -197,7 +201,7 @@ class GlobalQSGD(Codec):
             return sums * (ctx.scale / (levels * n))
 
 
-class GlobalQSGDExp(Codec):
+class GlobalQSGDExp(Int8Codes):
     """Global-QSGD exponential dithering: power-of-two levels against the global scale.
 
     Sums of powers of two are not powers of two, so a native SUM cannot add the codes: a ring
@@ -208,23 +212,14 @@ class GlobalQSGDExp(Codec):
 
     name, collective, unbiased = "gqsgd-exp", "ring", True
 
-    def __init__(self, bits: int = 8):
-        self.bits, self.exponents = bits, Q.levels_per_side(bits)
-
-    def params(self):
-        return {"bits": self.bits}
-
-    def wire_bits(self, world_size):
-        return 8.0
-
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            return Q.exp_encode(x / ctx.scale, Q.exp_top_exponent(ctx.world_size), self.exponents, ctx.generator)
+            return Q.exp_encode(x / ctx.scale, Q.exp_top_exponent(ctx.world_size), self.levels, ctx.generator)
 
     def combine(self, a, b, ctx):
         with ctx.timed("decode_s"):
             top = Q.exp_top_exponent(ctx.world_size)
-            return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, self.exponents, ctx.generator)
+            return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, self.levels, ctx.generator)
 
     def decode(self, aggregated, numel, ctx):
         with ctx.timed("decode_s"):
