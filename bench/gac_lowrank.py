@@ -79,7 +79,9 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
         "Calibration: 8 x 256 tokens of the Python docs' library reference; perplexity: 4 x 512 tokens of the\n"
         "other Python docs (tutorial, reference, howto, ...). Latency: batch 1, median of repeats, variants timed\n"
         "in turns in one run. Units the compressor keeps dense count as aligned. Predicted columns: the sum of the\n"
-        "kernels (GEMMs, SDPA, LM head for one token) under each cost model; measured-kernels = timed on this CPU.\n\n"
+        "kernels (GEMMs, SDPA, LM head for one token) under each cost model; measured-kernels = timed on this CPU.\n"
+        "GAC: candidates at multiples of 8 within 4 steps of each ASVD rank, dense where factorising does not pay on\n"
+        "this CPU, cliffs (3% tolerance) removed, valued by ASVD's own truncation-error curve.\n\n"
         + (out / "report.md").read_text()
         + "\nRatios from this run: "
         + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items())
@@ -213,7 +215,7 @@ def main() -> int:
         "# GAC on low-rank compression\n\n"
         f"Machine: {cpu_name()}, {os.cpu_count()} cores shared with other jobs (timings are medians but carry that noise), "
         "no GPU lent to this session.\n"
-        f"Commit: {commit}. Command: `python bench/gac_lowrank.py {' '.join(sys.argv[1:])}`.\n"
+        f"Commit: {commit}. Command: `{' '.join(['python bench/gac_lowrank.py'] + sys.argv[1:])}`.\n"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gac_lowrank.md").write_text(header + "\n" + "\n".join(sections))

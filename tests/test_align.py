@@ -80,6 +80,18 @@ def test_truncation_error_falls_with_rank(fitted_llama):
     assert errors == sorted(errors, reverse=True) and errors[-1] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_units_carry_the_error_curve_gac_values_them_by(fitted_llama):
+    _, compressor = fitted_llama
+    u = next(u for u in compressor.propose(0.85) if u.proposed < u.full)
+    assert len(u.error) == u.full + 1 and u.error[u.full] == 0.0
+    assert u.error[u.proposed - 8] == pytest.approx(compressor.truncation_error(u.name, u.proposed - 8))
+    assert u.gain(u.full) == pytest.approx(compressor.truncation_error(u.name, u.proposed))
+    assert u.gain(u.proposed - 8) < 0 < u.gain(u.proposed + 8)
+    # without a curve, the gain is GAC's linear s_i * parameters
+    linear = LowRankUnit(u.name, u.proposed, u.full, 2.0, u.in_features, u.out_features)
+    assert linear.gain(u.proposed + 1) == 2.0 * (u.in_features + u.out_features)
+
+
 class CliffCost:
     """Fake cost: latency = work, except any GEMM touching size 24 is 10x slower (a cliff)."""
 

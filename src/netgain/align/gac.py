@@ -7,7 +7,9 @@ shows — a candidate slower than a larger candidate of the same unit — and so
 
     maximise  sum_i s_i (|W_i(d_i)| - |W_i(d_i*)|)   subject to   sum_i |W_i(d_i)| <= sum_i |W_i(d_i*)|
 
-with `netgain.plan`. The naive baselines round every size to the alignment instead.
+with `netgain.plan` (the value is `Unit.gain`: this linear form, or the compressor's exact error
+difference where it knows one — on Gemma-3-270M the linear slope misjudged going dense against
+cutting elsewhere and cost perplexity). The naive baselines round every size to the alignment.
 """
 
 from __future__ import annotations
@@ -77,8 +79,7 @@ def select(
     groups = []
     for unit in units:
         sizes = unit_options(unit, cost, tokens, multiple, steps, tolerance)
-        base = unit.params(unit.proposed)
-        groups.append([Option(unit.params(s), unit.score * (unit.params(s) - base), s) for s in sizes])
+        groups.append([Option(unit.params(s), unit.gain(s), s) for s in sizes])
         if progress is not None:
             progress.update(1)
     budget = total_params(units, proposed_sizes(units))

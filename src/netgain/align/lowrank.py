@@ -9,13 +9,14 @@ Per-layer ratios follow ASVD: each layer takes the smallest parameter ratio from
 sensitivity stays under a common threshold, and a binary search on the threshold meets the global
 parameter ratio; rank = floor(params * ratio / (in + out)). The sensitivity here is the share of
 the scaled spectrum's energy that truncation drops (a cheap proxy that needs no extra forward
-passes, where ASVD measures calibration perplexity per layer and ratio).
+passes, where ASVD measures calibration perplexity per layer and ratio). The units carry that
+error curve, so GAC can value any rank by it rather than by a linear slope.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -58,10 +59,20 @@ class LowRankLinear(nn.Module):
 
 @dataclass(frozen=True)
 class LowRankUnit(Unit):
-    """A Linear factorised at rank `size`; size == full (= min(in, out)) keeps the dense Linear."""
+    """A Linear factorised at rank `size`; size == full (= min(in, out)) keeps the dense Linear.
+
+    `error[r]`, when given, is the compressor's error at rank r (r = 0..full, error[full] = 0); GAC
+    then values a rank by the exact error difference instead of the linear s_i * parameters.
+    """
 
     in_features: int
     out_features: int
+    error: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    def gain(self, size: int) -> float:
+        if not self.error:
+            return super().gain(size)
+        return self.error[self.proposed] - self.error[size]
 
     def params(self, size: int) -> int:
         if size == self.full:
@@ -195,11 +206,13 @@ class ASVD:
 
     def _unit(self, name: str, rank: int) -> LowRankUnit:
         in_f, out_f = self.shapes[name]
-        sigma = self.factors[name][1].double()
+        energy = self.factors[name][1].double().pow(2)
         full = min(in_f, out_f)
         at = min(rank, full - 1)  # the next component a rank increase would recover
-        score = float(sigma[at] ** 2 / sigma.pow(2).sum()) / (in_f + out_f)
-        return LowRankUnit(name, rank, full, score, in_f, out_f)
+        score = float(energy[at] / energy.sum()) / (in_f + out_f)
+        kept = torch.cat([torch.zeros(1, dtype=energy.dtype), energy[:full].cumsum(0)]) / energy.sum()
+        error = tuple((1.0 - kept).clamp_min(0.0).tolist())  # share lost at rank 0..full
+        return LowRankUnit(name, rank, full, score, in_f, out_f, error[:-1] + (0.0,))
 
     @torch.no_grad()
     def apply(self, model: nn.Module, sizes: Mapping[str, int]) -> None:

@@ -29,6 +29,14 @@ class Unit:
         """The (M, K, N) products this unit runs for `tokens` tokens at this size."""
         raise NotImplementedError
 
+    def gain(self, size: int) -> float:
+        """What moving from the proposed size to `size` is worth (GAC maximises the sum).
+
+        GAC's linearisation s_i (|W(size)| - |W*|); a compressor that knows its error at every
+        size overrides this with the exact difference.
+        """
+        return self.score * (self.params(size) - self.params(self.proposed))
+
 
 class Compressor(Protocol):
     """A post-training compressor GAC can wrap: calibrate, propose sizes and scores, rebuild at any sizes."""
