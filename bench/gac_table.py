@@ -1,0 +1,254 @@
+"""The GAC evaluation table on this machine: dense, ASVD, ASVD+round, ASVD+GAC, Pruner, Pruner+round, Pruner+GAC.
+
+Gemma-3-270M at 15% compression (parameter ratio 0.85 of the decoder Linears, as both compressors
+count it), all rows from one run:
+- calibration: the Python docs' library reference (ASVD activations, the pruner's Taylor gradients);
+- perplexity on two held-out corpora: the rest of the Python docs, and the KJV Bible;
+- measured CPU latency, batch 1: prefill S=512 and S=1024 and one decode step on a 512-token cache,
+  every variant timed in turns (median of repeats) so other jobs' load falls on all alike;
+- analytic A100/H100 latency (netgain.cost.kernels) of prefill S=1024;
+- GAC re-selects sizes with kernel latencies measured on this CPU (float32) in this run;
+  "+round" is round_to 8, down (keeps the budget), as LLM-Pruner / Torch-Pruning / ASVD offer.
+
+    python bench/gac_table.py            # writes bench/results/gac_table.{md,csv,json,png}
+    python bench/gac_table.py --quick    # a small smoke run (fewer tokens, one repeat), results to /tmp
+
+The per-variant unit sizes and scores go to gac_table.json, which bench/gac_gpu.sh reads to rebuild the
+same architectures on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gac_models import gemma_270m, python_docs_split  # noqa: E402
+
+from netgain.align import evaluate, gac, prune  # noqa: E402
+from netgain.align.lowrank import ASVD  # noqa: E402
+from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
+from netgain.cost.kernels import AnalyticCost  # noqa: E402
+from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "runs"
+ROWS = ("dense", "ASVD", "ASVD+round", "ASVD+GAC", "Pruner", "Pruner+round", "Pruner+GAC")
+CORPORA = ("python-docs", "kjv")
+GPUS = ("a100", "h100")
+
+
+def corpus_files(text_dir: Path) -> dict[str, Path]:
+    """calib / python-docs / kjv text files, written once from the Debian packages."""
+    text_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"calib": text_dir / "calib.txt", "python-docs": text_dir / "eval.txt", "kjv": text_dir / "kjv.txt"}
+    for split, name in (("calib", "calib"), ("eval", "python-docs")):
+        if not paths[name].exists():
+            paths[name].write_text("\n\n".join(f.read_text(errors="replace") for f in python_docs_split(split)))
+    if not paths["kjv"].exists():
+        try:
+            text = subprocess.run(["bible", "-l0", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
+        except FileNotFoundError as error:
+            raise SystemExit("the KJV corpus needs: apt-get install -y --no-install-recommends bible-kjv bible-kjv-text") from error
+        paths["kjv"].write_text(text)
+    return paths
+
+
+def variant(model, compressor, sizes):
+    """A copy of `model` (embeddings shared, not copied: they are never compressed) rebuilt at `sizes`."""
+    embedding = model.get_input_embeddings().weight
+    candidate = copy.deepcopy(model, memo={id(embedding): embedding})
+    if compressor is not None:
+        compressor.apply(candidate, sizes)
+    return candidate
+
+
+def unit_record(unit) -> dict:
+    return {"type": type(unit).__name__, **asdict(unit)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--param-ratio", type=float, default=0.85)
+    parser.add_argument("--calib-seqs", type=int, default=8)
+    parser.add_argument("--calib-len", type=int, default=256)
+    parser.add_argument("--eval-chunks", type=int, default=4, help="chunks per held-out corpus")
+    parser.add_argument("--eval-len", type=int, default=512, help="tokens per held-out chunk")
+    parser.add_argument("--repeats", type=int, default=3, help="latency repeats (median), after one warm-up round")
+    parser.add_argument("--kernel-repeats", type=int, default=3)
+    parser.add_argument("--seqs", default="512,1024", help="prefill lengths timed on this CPU (decode uses the first)")
+    parser.add_argument("--importance", default="taylor", choices=prune.IMPORTANCE)
+    parser.add_argument("--scope", default="global", choices=prune.SCOPES)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2x64 calibration, 1x128 eval, S=64,128, 1 repeat; writes to /tmp")
+    parser.add_argument("--out", default=None, help="results directory (default bench/results, /tmp/gac_table with --quick)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.quick:
+        args.calib_seqs, args.calib_len, args.eval_chunks, args.eval_len = 2, 64, 1, 128
+        args.repeats, args.kernel_repeats, args.seqs = 1, 1, "64,128"
+    seqs = [int(s) for s in args.seqs.split(",")]
+    out = Path(args.out or ("/tmp/gac_table" if args.quick else ROOT / "bench" / "results"))
+    work = RUNS / ("gac_table_quick" if args.quick else "gac_table")
+    work.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    started = time.time()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = gemma_270m(RUNS / "gemma3-270m")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = corpus_files(RUNS / "gac_text")
+    calib = evaluate.token_chunks(tokenizer, texts["calib"].read_text(), args.calib_len, args.calib_seqs)
+    held_out = {c: evaluate.token_chunks(tokenizer, texts[c].read_text(), args.eval_len, args.eval_chunks) for c in CORPORA}
+
+    t0 = time.perf_counter()
+    asvd = ASVD(alpha=0.5)
+    asvd.fit(model, calib)
+    pruner = prune.Pruner(args.importance, args.scope)
+    pruner.fit(model, calib)
+    fit_s = time.perf_counter() - t0
+    units = {"ASVD": asvd.propose(args.param_ratio), "Pruner": pruner.propose(args.param_ratio)}
+    sizing = {"ASVD": gac, "Pruner": prune}
+    compressors = {"ASVD": asvd, "Pruner": pruner}
+
+    kernels = work / "kernels.json"  # measured in this run
+    kernels.unlink(missing_ok=True)
+    cost = MeasuredCost("cpu", "float32", warmup=1, repeats=args.kernel_repeats, cache=kernels)
+    t0 = time.perf_counter()
+    sizes = {"dense": (None, full_sizes(units["ASVD"]))}
+    for method in ("ASVD", "Pruner"):
+        u = units[method]
+        sizes[method] = (method, proposed_sizes(u))
+        sizes[f"{method}+round"] = (method, sizing[method].round_sizes(u, 8, "down"))
+        sizes[f"{method}+GAC"] = (method, sizing[method].select(u, cost, seqs[0], multiple=8, steps=4, tolerance=0.03))
+    select_s = time.perf_counter() - t0
+    cost.save()
+
+    models = {row: variant(model, compressors.get(method), chosen) if method else model for row, (method, chosen) in sizes.items()}
+    rows = {}
+    for row, (method, chosen) in sizes.items():
+        m = models[row]
+        u = units[method or "ASVD"]
+        budget = total_params(u, proposed_sizes(u))
+        rows[row] = {
+            "variant": row,
+            "aligned_8": aligned_fraction(u, chosen, 8) if method else 1.0,
+            "aligned_16": aligned_fraction(u, chosen, 16) if method else 1.0,
+            "model_params": evaluate.parameter_count(m),
+            "unit_params": total_params(u, chosen),
+            "unit_params_vs_budget": total_params(u, chosen) / budget if method else float("nan"),
+            **{f"ppl_{c}": evaluate.perplexity(m, held_out[c]) for c in CORPORA},
+            **{f"{g}_prefill{seqs[-1]}_ms": 1e3 * evaluate.predicted_latency(m, AnalyticCost(g), seqs[-1], seqs[-1]) for g in GPUS},
+        }
+        print(f"{row}: params {rows[row]['model_params']:,}, ppl {[round(rows[row][f'ppl_{c}'], 2) for c in CORPORA]}", flush=True)
+    for s in seqs:
+        latency = evaluate.interleaved_latency(models, s, repeats=args.repeats)
+        for row in rows:
+            rows[row][f"cpu_prefill{s}_ms"] = 1e3 * latency[row]["prefill_s"]
+            if s == seqs[0]:
+                rows[row][f"cpu_decode_tok_s_ctx{s}"] = 1 / latency[row]["decode_s"]
+        print(f"timed S={s}", flush=True)
+
+    ratios = {}
+    for method in ("ASVD", "Pruner"):
+        raw, rnd, g = rows[method], rows[f"{method}+round"], rows[f"{method}+GAC"]
+        ratios[method] = {
+            "GAC aligned %8": 100 * g["aligned_8"],
+            "raw aligned %8": 100 * raw["aligned_8"],
+            "unit params GAC / raw budget": g["unit_params"] / raw["unit_params"],
+            **{f"ppl GAC / round ({c})": g[f"ppl_{c}"] / rnd[f"ppl_{c}"] for c in CORPORA},
+            **{f"ppl GAC / raw ({c})": g[f"ppl_{c}"] / raw[f"ppl_{c}"] for c in CORPORA},
+            **{f"CPU prefill S={s} GAC / raw": g[f"cpu_prefill{s}_ms"] / raw[f"cpu_prefill{s}_ms"] for s in seqs},
+            **{f"CPU prefill S={s} GAC / dense": g[f"cpu_prefill{s}_ms"] / rows["dense"][f"cpu_prefill{s}_ms"] for s in seqs},
+            **{f"CPU prefill S={s} raw / dense": raw[f"cpu_prefill{s}_ms"] / rows["dense"][f"cpu_prefill{s}_ms"] for s in seqs},
+            "CPU decode tok/s GAC / raw": g[f"cpu_decode_tok_s_ctx{seqs[0]}"] / raw[f"cpu_decode_tok_s_ctx{seqs[0]}"],
+            **{f"{gpu.upper()} prefill S={seqs[-1]} GAC / raw": g[f"{gpu}_prefill{seqs[-1]}_ms"] / raw[f"{gpu}_prefill{seqs[-1]}_ms"] for gpu in GPUS},
+        }
+
+    columns = list(next(iter(rows.values())))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gac_table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows.values())
+    heads_note = "" if any(isinstance(u, prune.HeadUnit) for u in units["Pruner"]) else (
+        "; every attention block has one KV head, so the pruner removes MLP channels only"
+    )
+    command = f"python bench/gac_table.py {' '.join(sys.argv[1:])}".strip()
+    header = (
+        "# GAC evaluation table: Gemma-3-270M at 15% compression (parameter ratio "
+        f"{args.param_ratio} of the decoder Linears)\n\n"
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores shared with other jobs, {torch.get_num_threads()} torch threads, "
+        f"float32, no GPU. Commit {commit}. Command: `{command}` ({(time.time() - started) / 60:.0f} min).\n\n"
+        f"Calibration: {args.calib_seqs} x {args.calib_len} tokens of the Python docs' library reference (ASVD activations, "
+        f"pruner {args.importance} importance, {args.scope} ranking{heads_note}). Perplexity: {args.eval_chunks} x {args.eval_len} tokens of the other Python docs and of the KJV Bible. "
+        f"GAC: candidates at multiples of 8 within 4 steps, cliffs from kernel latencies measured on this CPU in this run "
+        f"({cost.name}, 3% noise tolerance), knapsack under the raw method's parameter count. +round = round_to 8, down. "
+        f"CPU latency: batch 1, median of {args.repeats} after a warm-up, all 7 variants timed in turns; decode = one token "
+        f"on a {seqs[0]}-token KV cache. A100/H100: analytic model (sum of GEMMs + SDPA + LM head), prefill S={seqs[-1]}. "
+        f"Aligned % counts units (ASVD: {len(units['ASVD'])} Linears; Pruner: {len(units['Pruner'])} blocks) whose size is a multiple of 8; fitting took "
+        f"{fit_s:.0f} s, kernel profiling + selection {select_s:.0f} s.\n\n"
+    )
+    head = ["variant", "aligned %8", "params", "unit params / budget"] + [f"ppl {c}" for c in CORPORA]
+    head += [f"CPU prefill S={s} ms" for s in seqs] + [f"CPU decode tok/s"] + [f"{g.upper()} prefill S={seqs[-1]} ms" for g in GPUS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.values():
+        cells = [r["variant"], f"{100 * r['aligned_8']:.0f}%", f"{r['model_params']:,}", f"{r['unit_params_vs_budget']:.4f}"]
+        cells += [f"{r[f'ppl_{c}']:.2f}" for c in CORPORA] + [f"{r[f'cpu_prefill{s}_ms']:.0f}" for s in seqs]
+        cells += [f"{r[f'cpu_decode_tok_s_ctx{seqs[0]}']:.2f}"] + [f"{r[f'{g}_prefill{seqs[-1]}_ms']:.3f}" for g in GPUS]
+        lines.append("| " + " | ".join(cells) + " |")
+    ratio_text = "\n".join(
+        f"- {method}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r.items()) for method, r in ratios.items()
+    )
+    (out / "gac_table.md").write_text(header + "\n".join(lines) + "\n\nRatios from this run:\n" + ratio_text + "\n")
+    record = {
+        "command": command, "commit": commit, "machine": cpu_name(), "threads": torch.get_num_threads(), "seqs": seqs,
+        "param_ratio": args.param_ratio, "config": model.config.to_dict(), "rows": rows, "ratios": ratios, "cost": cost.name,
+        "units": {m: [unit_record(u) for u in us] for m, us in units.items()},
+        "sizes": {row: {"method": method, "sizes": chosen} for row, (method, chosen) in sizes.items()},
+    }
+    (out / "gac_table.json").write_text(json.dumps(record, indent=1))
+    plot(rows, seqs, out / "gac_table.png")
+    print((out / "gac_table.md").read_text())
+    return 0
+
+
+def plot(rows: dict, seqs: list[int], path: Path) -> None:
+    """Measured CPU prefill latency vs perplexity (Python docs), one point per variant, and the A100 prediction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in (
+        (axes[0], f"cpu_prefill{seqs[-1]}_ms", f"measured CPU prefill S={seqs[-1]} (ms)"),
+        (axes[1], f"a100_prefill{seqs[-1]}_ms", f"analytic A100 prefill S={seqs[-1]} (ms)"),
+    ):
+        for r in rows.values():
+            family = "o" if r["variant"] == "dense" else ("s" if r["variant"].startswith("ASVD") else "^")
+            ax.scatter(r[key], r["ppl_python-docs"], marker=family)
+            ax.annotate(r["variant"], (r[key], r["ppl_python-docs"]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel(title)
+        ax.set_ylabel("perplexity, Python docs (log)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Gemma-3-270M, 15% compression: latency vs perplexity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
