@@ -63,8 +63,7 @@ def run(args) -> int:
 
     from ..cost.kernels import AnalyticCost
     from ..cost.profile import MeasuredCost
-    from . import evaluate, gac, report, store
-    from . import prune
+    from . import evaluate, gac, prune, report, store
     from .lowrank import ASVD
     from .units import full_sizes, proposed_sizes, total_params
 
