@@ -210,7 +210,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Job: default `netgain train` (byte-level Llama, lm task), {meta['steps']} steps per row, "
         f"`--eval-every 0` (validation once, at the end). Times are medians over steps "
         f"{SKIP_STEPS}..{meta['steps'] - 1}; samples/s = batch x workers / median step; compute = step "
-        "minus the hook's wait for the network after the last bucket. Each (rate, workers) group ran "
+        "minus the hook's wait for the network after the last bucket (medians taken apart, so compute + "
+        "wait need not add up to the step exactly). Each (rate, workers) group ran "
         f"`{BASELINE}` first and last; `vs ddp` divides by the mean of those two runs. Limit = the "
         "compute-bound step (`ddp` at no rate limit, compute part) of that world size; `step/limit` "
         "is how far a row is from it. Final train loss = mean of the last 10 steps over ranks.",
