@@ -88,8 +88,11 @@ def test_aggregate(outcome, name, params):
     elif name == "gqsgd-exp":
         assert (error.abs() <= 2 * xs.abs().sum(0).max()).all()  # each rounding at most doubles
     elif name in ("topk", "randomk"):
-        # EF21 over repeated identical gradients: the estimate converges to the true mean
-        assert (error[-1].abs() <= 1e-4 * scale).all() or error[-1].norm() < error[0].norm() / 2
+        # EF21 over repeated identical gradients: the estimate only improves, towards the true mean
+        # (random-k 5% leaves 0.95^24 = 29% of coordinates unsent after 24 steps: norm ratio ~0.54)
+        norms = error.norm(dim=1)
+        assert (norms[1:] <= norms[:-1] * (1 + 1e-5) + 1e-5).all()
+        assert norms[-1] < 0.75 * norms[0]
     if comm.make_codec(name, **params).unbiased and name != "none":
         flat = error.reshape(-1)
         standard_error = flat.std() / flat.numel() ** 0.5
