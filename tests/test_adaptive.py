@@ -46,6 +46,15 @@ def test_monitor_counts_wire_bytes_by_collective():
     assert bandwidth == pytest.approx(3_000_000) and latency == 0.002
 
 
+def test_monitor_slope_ignores_a_per_transfer_burst():
+    monitor = BandwidthMonitor()
+    burst, rate = 256 * 1024, 12.5e6  # a token bucket lets 256 KB through at once, then 100 Mbit/s
+    for size in (1_000_000, 5_000_000):
+        monitor.observe("allreduce", size, 0.0001 + (size - burst) / rate, 2)
+    bandwidth, _ = monitor.local_estimate()
+    assert bandwidth == pytest.approx(rate)  # bytes / time would say 13.2e6 and 16.0e6
+
+
 def test_option_errors_order_as_expected():
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     errors = [option_error(o, x) for o in (NoCompression(), GlobalQSGD(8), GlobalQSGD(4), GlobalQSGD(2))]
