@@ -28,7 +28,8 @@ def tiny_model_dir(path):
     return path
 
 
-def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
+def run_align(tmp_path, *extra: str) -> dict:
+    """`netgain align` on a tiny model with small calibration/eval settings (plus `extra` flags); its report.json."""
     model_dir = tiny_model_dir(tmp_path / "model")
     (tmp_path / "calib.txt").write_text(TEXT)
     (tmp_path / "eval.txt").write_text(TEXT[::-1])
@@ -37,10 +38,14 @@ def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
     args = parser.parse_args([
         "--model", str(model_dir), "--calib", str(tmp_path / "calib.txt"), "--eval", str(tmp_path / "eval.txt"),
         "--out", str(tmp_path / "out"), "--param-ratio", "0.8", "--cost", "a100", "--calib-seqs", "2",
-        "--calib-len", "32", "--eval-chunks", "2", "--seq", "32", "--repeats", "1",
+        "--calib-len", "32", "--eval-chunks", "2", "--seq", "32", "--repeats", "1", *extra,
     ])
     assert cli.run(args) == 0
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
+    report = run_align(tmp_path)
     rows = {r["variant"]: r for r in report["rows"]}
     assert list(rows) == ["dense", "raw", "round-nearest", "round-down", "gac"]
     assert rows["gac"]["aligned_8"] == 1.0 and rows["round-down"]["aligned_8"] == 1.0

@@ -1,14 +1,12 @@
 """Structured pruning (MLP channels, attention KV groups), its GAC selection and save/load, on tiny random HF models."""
 
-import argparse
 import copy
-import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-from netgain.align import cli, load, save
+from netgain.align import load, save
 from netgain.align.prune import ChannelUnit, HeadUnit, PrunedLinear, Pruner, parse_layers, round_sizes, select
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params
 from netgain.cost.kernels import AnalyticCost
@@ -165,20 +163,9 @@ def test_bad_arguments():
 
 
 def test_align_cli_prune_end_to_end(tmp_path):
-    from test_align_cli import TEXT, tiny_model_dir
+    from test_align_cli import run_align
 
-    model_dir = tiny_model_dir(tmp_path / "model")
-    (tmp_path / "calib.txt").write_text(TEXT)
-    (tmp_path / "eval.txt").write_text(TEXT[::-1])
-    parser = argparse.ArgumentParser()
-    cli.configure(parser)
-    args = parser.parse_args([
-        "--model", str(model_dir), "--method", "prune", "--scope", "global", "--calib", str(tmp_path / "calib.txt"),
-        "--eval", str(tmp_path / "eval.txt"), "--out", str(tmp_path / "out"), "--param-ratio", "0.8", "--cost", "a100",
-        "--calib-seqs", "2", "--calib-len", "32", "--eval-chunks", "2", "--seq", "32", "--repeats", "1",
-    ])
-    assert cli.run(args) == 0
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = run_align(tmp_path, "--method", "prune", "--scope", "global")
     rows = {r["variant"]: r for r in report["rows"]}
     assert rows["gac"]["unit_params"] <= report["budget"] == rows["raw"]["unit_params"]
     assert rows["gac"]["aligned_8"] == 1.0

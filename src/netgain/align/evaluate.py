@@ -2,7 +2,8 @@
 
 Latency of several variants is timed in turns (see `interleaved_latency`), batch 1, median of repeats.
 Predicted latency sums a cost model's GEMMs over every Linear in the decoder layers (factorised
-ones as their two GEMMs), one SDPA per layer and the LM head for one token.
+ones as their two GEMMs), one SDPA per attention block at its actual (possibly pruned) head count
+and the LM head for one token.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from .lowrank import LowRankLinear
+from .prune import head_layout, is_attention
 
 
 def read_text(path: str | Path) -> str:
@@ -73,11 +75,15 @@ def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: 
     times = {name: {"prefill_s": [], "decode_s": []} for name in models}
     for round_ in range(warmup + repeats):
         for name, model in models.items():
+            sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+            sync()
             start = time.perf_counter()
             model(input_ids=prompt, use_cache=False, logits_to_keep=1)
+            sync()
             prefill = time.perf_counter() - start
             start = time.perf_counter()
             model(**decode_inputs[name])
+            sync()
             decode = time.perf_counter() - start
             if round_ >= warmup:
                 times[name]["prefill_s"].append(prefill)
@@ -87,7 +93,6 @@ def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: 
 
 def predicted_latency(model: nn.Module, cost, tokens: int, context: int) -> float:
     """Seconds a cost model predicts for `tokens` new tokens attending to `context` positions."""
-    config = model.config
     seconds, counted = 0.0, set()
     for name, module in model.named_modules():  # parents come before their children
         if ".layers." not in f".{name}" or id(module) in counted:
@@ -97,8 +102,9 @@ def predicted_latency(model: nn.Module, cost, tokens: int, context: int) -> floa
             counted.update((id(module.down), id(module.up)))
         elif isinstance(module, nn.Linear):
             seconds += cost.gemm(tokens, module.in_features, module.out_features)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    seconds += config.num_hidden_layers * cost.sdpa(1, config.num_attention_heads, tokens, context, head_dim)
+        elif is_attention(module):  # heads from q_proj's width, so pruned heads are not counted
+            head_dim, heads, _ = head_layout(module)
+            seconds += cost.sdpa(1, heads, tokens, context, head_dim)
     lm_head = model.get_output_embeddings()
     return seconds + cost.gemm(1, lm_head.in_features, lm_head.out_features)
 

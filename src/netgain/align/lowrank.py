@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .units import Unit
+from .units import Unit, check_propose
 
 # the per-layer parameter ratios the allocation chooses from (1.0 = keep the layer dense)
 RATIO_GRID = tuple(round(0.1 + 0.05 * i, 2) for i in range(18)) + (1.0,)
@@ -173,10 +173,7 @@ class ASVD:
 
     def propose(self, param_ratio: float) -> list[LowRankUnit]:
         """Per-layer ranks meeting the global parameter ratio, with each layer's marginal-error score."""
-        if not self.factors:
-            raise RuntimeError("call fit(model, batches) before propose()")
-        if not 0 < param_ratio <= 1:
-            raise ValueError(f"param_ratio must be in (0, 1], got {param_ratio}")
+        check_propose(bool(self.factors), param_ratio)
         names = sorted(self.factors)
         dense = {n: self.shapes[n][0] * self.shapes[n][1] for n in names}
         budget = param_ratio * sum(dense.values())

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import gac
-from .units import Unit, proposed_sizes
+from .units import Unit, check_propose, proposed_sizes
 
 IMPORTANCE = ("taylor", "magnitude")
 SCOPES = ("uniform", "global")
@@ -215,10 +215,7 @@ class Pruner:
 
     def propose(self, param_ratio: float) -> list[Unit]:
         """Sizes keeping `param_ratio` of the decoder Linears' parameters (as ASVD counts them), each unit scored for GAC."""
-        if not self.salience:
-            raise RuntimeError("call fit(model, batches) before propose()")
-        if not 0 < param_ratio <= 1:
-            raise ValueError(f"param_ratio must be in (0, 1], got {param_ratio}")
+        check_propose(bool(self.salience), param_ratio)
         names = list(self.salience)
         full = {n: self._unit(n, self.shapes[n]["full"]) for n in names}
         dense = self.fixed_params + sum(u.params(u.full) for u in full.values())

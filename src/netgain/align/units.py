@@ -48,6 +48,14 @@ class Compressor(Protocol):
     def apply(self, model, sizes: Mapping[str, int]) -> None: ...
 
 
+def check_propose(fitted: bool, param_ratio: float) -> None:
+    """The checks every `Compressor.propose` starts with: fitted first, ratio in (0, 1]."""
+    if not fitted:
+        raise RuntimeError("call fit(model, batches) before propose()")
+    if not 0 < param_ratio <= 1:
+        raise ValueError(f"param_ratio must be in (0, 1], got {param_ratio}")
+
+
 def total_params(units: Sequence[Unit], sizes: Mapping[str, int]) -> int:
     return sum(u.params(sizes[u.name]) for u in units)
 
