@@ -172,3 +172,22 @@ def test_align_cli_prune_end_to_end(tmp_path):
     model = load(tmp_path / "out")
     widths = {f"model.layers.{i}.mlp": layer.mlp.gate_proj.out_features for i, layer in enumerate(model.model.layers)}
     assert all(report["sizes"]["gac"][n] == w for n, w in widths.items())
+
+
+def test_predicted_latency_counts_pruned_heads():
+    from netgain.align import evaluate
+
+    model, pruner = fitted("llama")
+    pruner.apply(model, {"model.layers.0.self_attn": 32})  # 4 of 8 query heads (head_dim 8) kept
+    heads = []
+
+    class Recorder:
+        def gemm(self, m, k, n):
+            return 0.0
+
+        def sdpa(self, batch, h, q_len, kv_len, head_dim):
+            heads.append((h, head_dim))
+            return 0.0
+
+    evaluate.predicted_latency(model, Recorder(), 8, 8)
+    assert heads == [(4, 8), (8, 8)]

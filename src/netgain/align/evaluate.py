@@ -65,12 +65,12 @@ def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: 
     a shared machine over every model alike, so the ratios between models stay meaningful.
     """
     ids = torch.randint(0, min(m.config.vocab_size for m in models.values()), (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    prompt, step = ids[:, :seq_len], ids[:, seq_len:]
-    decode_inputs = {}
+    prompts, decode_inputs = {}, {}
     for name, model in models.items():
+        prompts[name], step = ids[:, :seq_len].to(model.device), ids[:, seq_len:].to(model.device)
         # transformers 5 calls the KV cache `cache`; earlier releases `past_key_values`
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        cache = getattr(model(input_ids=prompt, use_cache=True), key)
+        cache = getattr(model(input_ids=prompts[name], use_cache=True), key)
         decode_inputs[name] = {"input_ids": step, key: cache, "use_cache": True, "logits_to_keep": 1}
     times = {name: {"prefill_s": [], "decode_s": []} for name in models}
     for round_ in range(warmup + repeats):
@@ -78,7 +78,7 @@ def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: 
             sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
             sync()
             start = time.perf_counter()
-            model(input_ids=prompt, use_cache=False, logits_to_keep=1)
+            model(input_ids=prompts[name], use_cache=False, logits_to_keep=1)
             sync()
             prefill = time.perf_counter() - start
             start = time.perf_counter()
