@@ -64,7 +64,7 @@ def run(args) -> int:
     from ..cost.kernels import AnalyticCost
     from ..cost.profile import MeasuredCost
     from . import evaluate, gac, prune, report, store
-    from .lowrank import ASVD
+    from .lowrank import ASVD, decoder_linears
     from .units import full_sizes, proposed_sizes, total_params
 
     variants = _parse_list(args.variants, VARIANTS, "variants")
@@ -83,8 +83,7 @@ def run(args) -> int:
 
     if args.method == "asvd":
         compressor, sizing = ASVD(alpha=args.alpha), gac
-        n_linears = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}")
-        steps, what = len(calib) + n_linears, "calibrate + SVD"
+        steps, what = len(calib) + len(decoder_linears(model)), "calibrate + SVD"
     else:  # the pruner's GAC re-selects MLP widths only (head counts are multiples of head_dim)
         try:
             layers = prune.parse_layers(args.layers)

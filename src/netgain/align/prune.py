@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import gac
+from .lowrank import decoder_linears
 from .units import Unit, check_propose, proposed_sizes
 
 IMPORTANCE = ("taylor", "magnitude")
@@ -169,9 +170,7 @@ class Pruner:
                 self.shapes[name] = self._shape(block)
         finally:
             model.zero_grad(set_to_none=True)
-        linears = sum(
-            p.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}" for p in m.parameters()
-        )
+        linears = sum(p.numel() for m in decoder_linears(model).values() for p in m.parameters())
         self.fixed_params = linears - sum(self._unit(n, s["full"]).params(s["full"]) for n, s in self.shapes.items())
 
     def _accumulate_gradients(self, model, blocks, batches, progress) -> None:
