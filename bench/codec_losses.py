@@ -7,13 +7,13 @@ Writes bench/results/codec_losses.md and .csv; each run's record.json stays unde
 """
 
 import argparse
-import csv
 import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
+from provenance import git_commit, write_csv
 
 ROWS = [("none", []), ("fp16", []), ("bf16", []), ("qsgd", ["--bits", "8"]),
         ("gqsgd", ["--bits", "8", "--encoding", "int8"]), ("gqsgd", ["--bits", "8"]), ("gqsgd", ["--bits", "4"]),
@@ -46,11 +46,8 @@ def main():
     for row in rows:
         row["val_vs_none"] = row["val_loss"] / base - 1
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "codec_losses.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    write_csv(args.out / "codec_losses.csv", rows)
+    commit = git_commit()
     lines = ["# Validation loss of every codec on the default `netgain train` job", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load average "
              f"{load_start:.1f} at start, {os.getloadavg()[1]:.1f} at end), no GPU; commit {commit}.",

@@ -7,15 +7,14 @@ Writes bench/results/codecs.md and codecs.csv.
 """
 
 import argparse
-import csv
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from netgain.comm.codecs import CODEC_NAMES, make_codec, time_codec
+from provenance import git_commit, write_csv
 
 VARIANTS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
             ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}), ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}),
@@ -58,11 +57,8 @@ def main():
             print(rows[-1], flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "codecs.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    write_csv(args.out / "codecs.csv", rows)
+    commit = git_commit()
     lines = [
         "# Codec cost per million elements",
         "",

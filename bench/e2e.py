@@ -18,13 +18,11 @@ Writes OUT.md, OUT.csv, OUT.json (per-step records), OUT_throughput.png, OUT_los
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from lab import NAME_PREFIX, list_lab_namespaces, terminate_on_signals  # noqa: E402
 from runs import SKIP_STEPS, measured, train_on_lab  # noqa: E402
+from provenance import git_commit, write_csv  # noqa: E402
 
 BASELINE = "ddp"
 # row label -> (`netgain train --codec`, its options)
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
               for n in args.workers for rate in RATES if rate in args.rates or rate == "none"]
 
     command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/e2e.py", *argv])])
-    meta = {"command": command, "commit": _git_commit(), "steps": args.steps, "machine": _machine(),
+    meta = {"command": command, "commit": git_commit(), "steps": args.steps, "machine": _machine(),
             "load_start": os.getloadavg(), "started_unix": time.time()}
     rows: list[dict] = []
     try:
@@ -165,21 +164,13 @@ CSV_FIELDS = ("workers", "rate", "codec", "run", "samples_per_s", "ratio_to_ddp"
 
 def write_results(rows: list[dict], meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows, CSV_FIELDS)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(markdown(rows, meta))
     plot_throughput(rows, Path(f"{out}_throughput.png"))
     plot_loss(rows, Path(f"{out}_loss.png"))
 
 
-def _git_commit() -> str:
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    dirty = git("status", "--porcelain", "--", "src", "bench/e2e.py", "bench/runs.py", "bench/lab.py")
-    return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
 def _machine() -> str:

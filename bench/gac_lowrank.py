@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from netgain.align.lowrank import LowRankUnit, decoder_linears, install, rank_fo
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
 from netgain.cost.kernels import AnalyticCost  # noqa: E402
 from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -201,7 +201,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = git_commit()
     sections, record = [], {}
     if not args.skip_gemma:
         text, record["gemma"] = gemma_section(args.repeats)

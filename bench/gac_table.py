@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ from netgain.align.lowrank import ASVD  # noqa: E402
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
 from netgain.cost.kernels import AnalyticCost  # noqa: E402
 from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
+from provenance import git_commit, write_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
@@ -100,7 +100,7 @@ def main() -> int:
     out = Path(args.out or ("/tmp/gac_table" if args.quick else ROOT / "bench" / "results"))
     work = RUNS / ("gac_table_quick" if args.quick else "gac_table")
     work.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = git_commit()
     started = time.time()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,10 +178,7 @@ def main() -> int:
 
     columns = list(next(iter(rows.values())))
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "gac_table.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows.values())
+    write_csv(out / "gac_table.csv", list(rows.values()), columns)
     heads_note = "" if any(isinstance(u, prune.HeadUnit) for u in units["Pruner"]) else (
         "; every attention block has one KV head, so the pruner removes MLP channels only"
     )
@@ -201,7 +198,7 @@ def main() -> int:
         f"{fit_s:.0f} s, kernel profiling + selection {select_s:.0f} s.\n\n"
     )
     head = ["variant", "aligned %8", "params", "unit params / budget"] + [f"ppl {c}" for c in CORPORA]
-    head += [f"CPU prefill S={s} ms" for s in seqs] + [f"CPU decode tok/s"] + [f"{g.upper()} prefill S={seqs[-1]} ms" for g in GPUS]
+    head += [f"CPU prefill S={s} ms" for s in seqs] + ["CPU decode tok/s"] + [f"{g.upper()} prefill S={seqs[-1]} ms" for g in GPUS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         cells = [r["variant"], f"{100 * r['aligned_8']:.0f}%", f"{r['model_params']:,}", f"{r['unit_params_vs_budget']:.4f}"]

@@ -14,7 +14,6 @@ Writes bench/results/kimad_lab.md/.csv and kimad_lab.png; records stay under run
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
 from model_validation import threads_per_worker  # noqa: E402
 
 from netgain.comm.codecs import make_codec  # noqa: E402
+from provenance import git_commit, write_csv  # noqa: E402
 
 SETTLE_STEPS = 3  # steps after a rate change before the budget is held to account (monitor + re-plan)
 WITHIN = 1.10     # "within 10% of the budget"
@@ -123,12 +123,9 @@ def main(argv=None) -> int:
             rows.append({"run": label, **phase, "final_val_loss": s["final_val_loss"], "step_s": s["step_s"],
                          "mean_wire_bytes": s["wire_bytes_per_step"]})
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kimad_lab.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "kimad_lab.csv", rows)
     plot(records, schedule, budget_s, args.out / "kimad_lab.png")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     lines = ["# Kimad on a link whose rate changes during training", "",
              f"Machine: 2-core x86_64 shared with other jobs (load average {load_start:.1f} at start, "
              f"{os.getloadavg()[1]:.1f} at end), no GPU; commit {commit}; 2 lab workers.",

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(HERE))
 from lab import Lab, list_lab_namespaces, parse_rate, terminate_on_signals  # noqa: E402
 
 from netgain.cost.network import TCP_OVER_SHAPED_VETH, Link, ring_allreduce_s  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 BIG_BYTES = 25_000_000
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted ({e}); lab torn down", file=sys.stderr)
         return 130
     leftovers = list_lab_namespaces()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=HERE).stdout.strip()
+    commit = git_commit()
     lines = [
         "# Lab calibration: gloo all_reduce on shaped links vs the alpha-beta ring model",
         "",

@@ -15,11 +15,9 @@ Writes bench/results/model_validation.{md,csv} (root needed for the lab).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from runs import SKIP_STEPS, measured, threads_per_worker, train_on_lab  # noqa:
 
 from netgain.comm.codecs import make_codec  # noqa: E402
 from netgain.cost import network as net  # noqa: E402
+from provenance import git_commit, write_csv  # noqa: E402
 
 PRESET_OF_RATE = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}
 DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "qsgd:8", "gqsgd-exp:8")
@@ -132,14 +131,10 @@ def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int,
                   load: tuple[float, float]) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows)
     errors = sorted(rows, key=lambda r: -abs(r["error"]))
     median = statistics.median(abs(r["error"]) for r in rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = git_commit()
     command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
                         "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
                         "--limit-every", args.limit_every,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from netgain.plan import solve
+from provenance import git_commit
 
 SHAPES = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
 REPEATS = 5
@@ -62,7 +62,7 @@ def main() -> int:
     for method, resolution in [("exact", 1000), ("exact", 2000), ("exact", 10_000), ("greedy", 1000), ("auto", 1000)]:
         seconds, sol = timed(lambda: solve(groups, budget, method=method, resolution=resolution))
         rows.append((method, resolution, seconds, sol))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     lines = [
         "# netgain.plan: multi-choice knapsack timing",
         "",
