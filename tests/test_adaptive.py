@@ -12,21 +12,12 @@ from netgain.comm.bandwidth import BandwidthMonitor
 from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK
 
 from distributed import run
-from test_hook import grads
+from test_hook import Layers, grads
 
 
-class Layers(torch.nn.Module):
+def big_layers():
     """Parameters large enough (80-160 KB) for the monitor to measure bandwidth, not latency."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.zeros(20_000))
-        self.b = torch.nn.Parameter(torch.zeros(200, 200))
-        self.c = torch.nn.Parameter(torch.zeros(30_000))
-
-    def forward(self, step, rank):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        return sum((p * torch.randn(p.shape, generator=g)).sum() for p in (self.a, self.b, self.c))
+    return Layers(20_000, (200, 200), 30_000)
 
 
 def test_monitor_holds_back_one_outlier_and_follows_a_real_change():
@@ -70,7 +61,7 @@ def test_bad_planner_arguments():
 
 
 def adaptive_run(rank, world_size, mode, force_mismatch=False):
-    model = DDP(Layers(), bucket_cap_mb=0.2)
+    model = DDP(big_layers(), bucket_cap_mb=0.2)
     state = comm.register(model, mode, min_compress_numel=0, replan_every=2, comm_budget_ms=2.0)
     plans = []
     for step in range(6):

@@ -4,7 +4,6 @@ mean error within 3 standard errors of zero."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
