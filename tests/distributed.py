@@ -26,6 +26,7 @@ def _worker(rank, world_size, port, folder, fn, args):
         except Exception as error:  # reported to the test, which decides
             result = ("error", f"{type(error).__name__}: {error}")
         torch.save(result, os.path.join(folder, f"{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while a peer still uses it (else SIGABRT at exit)
     finally:
         dist.destroy_process_group()
 

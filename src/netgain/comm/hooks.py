@@ -237,6 +237,15 @@ class CommState:
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
 
+    def close(self) -> None:
+        """Wait for buckets still queued on the communication thread (e.g. after one raised), then stop it.
+
+        Call before destroying the process group, or a peer's pending collective may find it gone.
+        """
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     # ---- bucket layout ---------------------------------------------------------------------
     def _layout(self, bucket: dist.GradBucket) -> dict[str, tuple[int, int]]:
         """parameter key -> (offset, numel) inside the bucket's flat buffer."""
