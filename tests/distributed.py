@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import socket
 import tempfile
@@ -18,6 +20,7 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, folder, fn, args):
+    faulthandler.enable()  # a native abort prints the Python stack that led to it
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -26,6 +29,7 @@ def _worker(rank, world_size, port, folder, fn, args):
         except Exception as error:  # reported to the test, which decides
             result = ("error", f"{type(error).__name__}: {error}")
         torch.save(result, os.path.join(folder, f"{rank}.pt"))
+        gc.collect()  # DDP objects left in reference cycles die now, not at exit after their group is gone
         dist.barrier()  # no rank tears gloo down while a peer still uses it (else SIGABRT at exit)
     finally:
         dist.destroy_process_group()

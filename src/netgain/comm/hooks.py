@@ -75,6 +75,7 @@ class CommState:
         self._step_open = False
         self._link: Link | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._failure: str | None = None  # why a bucket of this step failed; later buckets skip their collectives
 
     # ---- which codec a bucket uses this step ---------------------------------------------------
     def codec_for(self, index: int, numel: int) -> Codec:
@@ -127,10 +128,17 @@ class CommState:
         if ready is not None:
             ready.synchronize()
         try:
+            if self._failure is not None:
+                raise RuntimeError(f"bucket {index} not sent: {self._failure}")
             out = self._aggregate(index, buffer, layout)
             if buffer.is_cuda:
                 torch.cuda.current_stream().synchronize()
             return out
+        except Exception as error:
+            # Header errors are seen by every rank at the same bucket, so every rank stops issuing
+            # collectives here: none is left queued to meet a barrier or a new step out of order.
+            self._failure = self._failure or f"bucket {index} failed ({type(error).__name__})"
+            raise
         finally:
             if is_last:
                 self._end_step()
@@ -230,7 +238,8 @@ class CommState:
         totals.update(step=self.step, buckets=len(records), wait_s=time.perf_counter() - self._last_submit,
                       backward_s=self._last_submit - (self._forward_end or self._first_submit),
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
-        if self.planner and self._link is not None:
+        failed, self._failure = self._failure, None
+        if self.planner and self._link is not None and failed is None:
             self.planner.end_step(self._link, self.step, totals["backward_s"])
             totals.update(self.planner.last)
         self.history.append(totals)
