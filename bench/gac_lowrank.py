@@ -81,7 +81,8 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
         "in turns in one run. Units the compressor keeps dense count as aligned. Predicted columns: the sum of the\n"
         "kernels (GEMMs, SDPA, LM head for one token) under each cost model; measured-kernels = timed on this CPU.\n"
         "GAC: candidates at multiples of 8 within 4 steps of each ASVD rank, dense where factorising does not pay on\n"
-        "this CPU, cliffs (3% tolerance) removed, valued by ASVD's own truncation-error curve.\n\n"
+        "this CPU, cliffs (3% tolerance) removed, valued by the compressor's own predicted-loss curve (the\n"
+        "same curve its per-layer allocation minimised).\n\n"
         + (out / "report.md").read_text()
         + "\nRatios from this run: "
         + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items())
@@ -213,8 +214,8 @@ def main() -> int:
     sections.append(text)
     header = (
         "# GAC on low-rank compression\n\n"
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores shared with other jobs (timings are medians but carry that noise), "
-        "no GPU lent to this session.\n"
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} when it finished "
+        "(timings are medians of turns), no GPU lent to this session.\n"
         f"Commit: {commit}. Command: `{' '.join(['python bench/gac_lowrank.py'] + sys.argv[1:])}`.\n"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)

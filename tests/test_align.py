@@ -7,7 +7,7 @@ import torch
 from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from netgain.align import evaluate, gac, load, save
-from netgain.align.lowrank import ASVD, LowRankLinear, LowRankUnit, rank_for_ratio
+from netgain.align.lowrank import ASVD, LowRankLinear, LowRankUnit, loss_curve, rank_for_ratio
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params
 from netgain.cost.kernels import AnalyticCost
 
@@ -80,9 +80,21 @@ def test_truncation_error_falls_with_rank(fitted_llama):
     assert errors == sorted(errors, reverse=True) and errors[-1] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_loss_curve_is_the_fisher_weighted_output_error_of_each_truncation():
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(12, 9, generator=g), torch.randn(500, 9, generator=g) * torch.linspace(0.1, 3, 9)
+    scale, fisher = x.abs().mean(0).sqrt(), torch.rand(12, generator=g, dtype=torch.float64)
+    u, sigma, vt = torch.linalg.svd(weight * scale, full_matrices=False)
+    curve = loss_curve(u, sigma, vt, scale, (x.T @ x).double() / len(x), fisher)
+    for rank in (0, 3, 9):
+        kept = (u[:, :rank] * sigma[:rank]) @ (vt[:rank] / scale)
+        dy = (x @ (weight - kept).T).double()
+        assert curve[rank].item() == pytest.approx((dy.square() * fisher).sum(1).mean().item() / 2, rel=1e-4, abs=1e-9)
+
+
 def test_units_carry_the_error_curve_gac_values_them_by(fitted_llama):
     _, compressor = fitted_llama
-    u = next(u for u in compressor.propose(0.85) if u.proposed < u.full)
+    u = next(u for u in compressor.propose(0.85) if 8 <= u.proposed <= u.full - 8)
     assert len(u.error) == u.full + 1 and u.error[u.full] == 0.0
     assert u.error[u.proposed - 8] == pytest.approx(compressor.truncation_error(u.name, u.proposed - 8))
     assert u.gain(u.full) == pytest.approx(compressor.truncation_error(u.name, u.proposed))

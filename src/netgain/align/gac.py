@@ -88,7 +88,8 @@ def select(
 
 
 def round_sizes(units: Sequence[Unit], multiple: int = 8, mode: str = "nearest") -> dict[str, int]:
-    """The naive baseline: every proposed size rounded to a multiple (nearest ignores the budget, down keeps it)."""
+    """The naive baseline: every proposed size rounded to a multiple (nearest ignores the budget, down keeps
+    it, except that a size below one multiple becomes one multiple)."""
     if mode not in ROUNDING:
         raise ValueError(f"mode must be one of {ROUNDING}, got {mode!r}")
     sizes = {}

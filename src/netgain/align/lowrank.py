@@ -5,27 +5,33 @@ channel to the power alpha, W S = U diag(sigma) V^T; the truncated product is fo
 Linears, in -> r (sqrt(sigma) V^T S^-1) and r -> out (U sqrt(sigma)). The full SVD is kept, so
 any rank can be cut again without recomputing (GAC re-selects ranks after the fact).
 
-Per-layer ratios follow ASVD: each layer takes the smallest parameter ratio from a grid whose
-sensitivity stays under a common threshold, and a binary search on the threshold meets the global
-parameter ratio; rank = floor(params * ratio / (in + out)). The sensitivity here is the share of
-the scaled spectrum's energy that truncation drops (a cheap proxy that needs no extra forward
-passes, where ASVD measures calibration perplexity per layer and ratio). The units carry that
-error curve, so GAC can value any rank by it rather than by a linear slope.
+Per-layer ratios come from ASVD's grid, rank = floor(params * ratio / (in + out)). ASVD measures
+each layer's sensitivity as calibration perplexity per ratio (a forward pass each) and binary-searches
+a common threshold; here sensitivity is predicted for every rank at once from one calibration
+forward/backward pass, as the truncation's second-order loss increase under the output's empirical
+Fisher (`loss_curve`, nats per token). In those comparable units the multi-choice knapsack
+(`netgain.plan`) picks the grid ratios that minimise the summed increase under the global budget
+directly, where a common threshold would leave layers at unequal marginal cost.
+The units carry that curve, so GAC values any rank by it rather than by a linear slope.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Mapping
 
 import torch
 from torch import nn
 
+from ..plan import Option, solve
 from .units import Unit, check_propose
 
 # the per-layer parameter ratios the allocation chooses from (1.0 = keep the layer dense)
 RATIO_GRID = tuple(round(0.1 + 0.05 * i, 2) for i in range(18)) + (1.0,)
+ALLOCATION_RESOLUTION = 2000  # budget steps of the allocation knapsack
+SLOPE_WINDOW = 8  # ranks either side of a proposal over which a unit's linear score is taken
 
 
 class LowRankLinear(nn.Module):
@@ -121,45 +127,48 @@ class ASVD:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.alpha = alpha
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.curves: dict[str, torch.Tensor] = {}  # name -> predicted loss increase at rank 0..full
         self.shapes: dict[str, tuple[int, int]] = {}
 
-    @torch.inference_mode()
     def fit(self, model: nn.Module, batches, progress=None) -> None:
-        """Run calibration batches (token id tensors) to get activation scales, then SVD every Linear."""
+        """Calibrate on token-id batches (activation scales, input covariance, output Fisher), then SVD every Linear."""
         linears = decoder_linears(model)
         if not linears:
             raise ValueError("model has no nn.Linear inside decoder layers ('.layers.' in the module name)")
-        sums = {name: torch.zeros(m.in_features, dtype=torch.float64) for name, m in linears.items()}
-        counts = dict.fromkeys(linears, 0)
-
-        def hook(name):
-            def record(module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1])
-                sums[name] += x.abs().double().sum(0).cpu()
-                counts[name] += x.shape[0]
-
-            return record
-
-        handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
+        stats = {name: _Calibration(m.in_features, m.out_features) for name, m in linears.items()}
+        tokens = [0]  # next-token predictions in the current batch: turns d(mean loss) into d(per-token loss)
+        handles = [m.register_forward_pre_hook(stats[name].record_input) for name, m in linears.items()]
+        handles += [m.register_forward_hook(stats[name].watch_output(tokens)) for name, m in linears.items()]
+        # gradients w.r.t. activations only: weights frozen, the embedding output is the leaf
+        handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach().requires_grad_()))
+        frozen = {p: p.requires_grad for p in model.parameters()}
         try:
-            decoder = model.get_decoder()  # the LM head's logits are not needed
-            for ids in batches:
-                decoder(input_ids=ids.to(model.device), use_cache=False)
-                if progress is not None:
-                    progress.update(1)
+            for p in frozen:
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                for ids in batches:
+                    ids = ids.to(model.device)
+                    tokens[0] = ids.numel() - ids.shape[0]
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    if progress is not None:
+                        progress.update(1)
         finally:
             for h in handles:
                 h.remove()
-        if not all(counts.values()):
+            for p, flag in frozen.items():
+                p.requires_grad_(flag)
+        if not all(c.count for c in stats.values()):
             raise ValueError("calibration batches never reached some decoder Linears (no batches given?)")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # threaded LAPACK SVD spins for seconds when cores are shared; these are small
         try:
             for name, module in linears.items():
-                scale = (sums[name] / counts[name]).clamp_min(1e-6).pow(self.alpha).float()
+                calibration = stats.pop(name)  # free each covariance once used
+                scale = calibration.mean_abs().clamp_min(1e-6).pow(self.alpha).float()
                 weight = module.weight.detach().float().cpu()
                 u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
                 self.factors[name] = (u, sigma, vt, scale)
+                self.curves[name] = loss_curve(u, sigma, vt, scale, calibration.covariance(), calibration.fisher())
                 self.shapes[name] = (module.in_features, module.out_features)
                 if progress is not None:
                     progress.update(1)
@@ -167,32 +176,21 @@ class ASVD:
             torch.set_num_threads(threads)
 
     def truncation_error(self, name: str, rank: int) -> float:
-        """Share of the activation-scaled spectrum's energy lost by keeping `rank` components."""
-        energy = self.factors[name][1].double().pow(2)
-        return float(energy[rank:].sum() / energy.sum())
+        """Predicted increase of the mean per-token loss (nats) when this Linear keeps `rank` components."""
+        return float(self.curves[name][rank])
 
     def propose(self, param_ratio: float) -> list[LowRankUnit]:
-        """Per-layer ranks meeting the global parameter ratio, with each layer's marginal-error score."""
+        """Per-layer grid ranks that minimise the summed predicted loss under the global parameter ratio."""
         check_propose(bool(self.factors), param_ratio)
         names = sorted(self.factors)
-        dense = {n: self.shapes[n][0] * self.shapes[n][1] for n in names}
-        budget = param_ratio * sum(dense.values())
-        options = {n: [self._option(n, r) for r in RATIO_GRID] for n in names}  # (error, params, rank)
-
-        def allocate(threshold: float) -> dict[str, tuple[float, int, int]]:
-            return {n: next(o for o in options[n] if o[0] <= threshold) for n in names}
-
-        if sum(o[1] for o in allocate(1.0).values()) > budget:
-            raise ValueError(f"param_ratio {param_ratio} is below what the smallest grid ratio {RATIO_GRID[0]} reaches")
-        low, high = 0.0, 1.0  # threshold 1 admits the smallest ratio everywhere; 0 keeps all dense
-        for _ in range(60):
-            mid = (low + high) / 2
-            if sum(o[1] for o in allocate(mid).values()) <= budget:
-                high = mid
-            else:
-                low = mid
-        chosen = allocate(high)
-        return [self._unit(n, chosen[n][2]) for n in names]
+        budget = param_ratio * sum(self.shapes[n][0] * self.shapes[n][1] for n in names)
+        groups = [[Option(params, -error, rank) for error, params, rank in map(partial(self._option, n), RATIO_GRID)]
+                  for n in names]
+        try:
+            solution = solve(groups, budget, resolution=ALLOCATION_RESOLUTION)
+        except ValueError:
+            raise ValueError(f"param_ratio {param_ratio} is below what the smallest grid ratio {RATIO_GRID[0]} reaches") from None
+        return [self._unit(n, g[c].label) for n, g, c in zip(names, groups, solution.choice)]
 
     def _option(self, name: str, ratio: float) -> tuple[float, int, int]:
         in_f, out_f = self.shapes[name]
@@ -203,13 +201,11 @@ class ASVD:
 
     def _unit(self, name: str, rank: int) -> LowRankUnit:
         in_f, out_f = self.shapes[name]
-        energy = self.factors[name][1].double().pow(2)
         full = min(in_f, out_f)
-        at = min(rank, full - 1)  # the next component a rank increase would recover
-        score = float(energy[at] / energy.sum()) / (in_f + out_f)
-        kept = torch.cat([torch.zeros(1, dtype=energy.dtype), energy[:full].cumsum(0)]) / energy.sum()
-        error = tuple((1.0 - kept).clamp_min(0.0).tolist())  # share lost at rank 0..full
-        return LowRankUnit(name, rank, full, score, in_f, out_f, error[:-1] + (0.0,))
+        curve = self.curves[name]
+        low, high = max(0, rank - SLOPE_WINDOW), min(full, rank + SLOPE_WINDOW)  # the curve's slope around the rank
+        score = float(curve[low] - curve[high]) / ((high - low) * (in_f + out_f))
+        return LowRankUnit(name, rank, full, score, in_f, out_f, tuple(curve.tolist()))
 
     @torch.no_grad()
     def apply(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
@@ -233,3 +229,55 @@ class ASVD:
             module.up.weight.copy_((u[:, :r] * root[None, :]).to(dtype))
             if biases[name] is not None:
                 module.up.bias.copy_(biases[name])
+
+
+class _Calibration:
+    """Running statistics of one Linear over the calibration tokens: |x| and x x^T of its input, and the
+    squared gradient of the per-token loss w.r.t. its output (the diagonal empirical Fisher)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.gram = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.grad_sq = torch.zeros(out_features, dtype=torch.float64)
+        self.count = 0
+
+    def record_input(self, module, args) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
+        self.abs_sum += x.abs().sum(0)
+        self.gram += x.T @ x
+        self.count += x.shape[0]
+
+    def watch_output(self, tokens: list[int]):
+        def record_grad(grad):  # returns None: the gradient flows on unchanged
+            self.grad_sq += (grad.detach().float().cpu() * tokens[0]).reshape(-1, grad.shape[-1]).pow(2).sum(0)
+
+        def hook(module, args, output):
+            if output.requires_grad:
+                output.register_hook(record_grad)
+
+        return hook
+
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / self.count
+
+    def covariance(self) -> torch.Tensor:
+        return self.gram / self.count
+
+    def fisher(self) -> torch.Tensor:
+        return self.grad_sq / self.count
+
+
+def loss_curve(u, sigma, vt, scale, covariance, fisher) -> torch.Tensor:
+    """Predicted increase of the mean per-token loss at every rank 0..k of the factorisation W S = U diag(sigma) V^T.
+
+    Dropping components j >= r changes the output by dy = sum_j u_j sigma_j (v_j^T S^-1 x); to second
+    order the loss rises by E[dy^T diag(F) dy] / 2 with F the output's Fisher diagonal. With C = E[x x^T]
+    that is half the sum of G[r:, r:], G_jk = sigma_j sigma_k (u_j^T diag(F) u_k)(m_j^T C m_k), m = S^-1 v.
+    This is what makes errors of different layers comparable (ASVD measures perplexity per layer instead).
+    """
+    m = (vt.double() / scale.double()[None, :])
+    u = u.double()
+    gram = (sigma.double()[:, None] * sigma.double()[None, :]) * ((u * fisher[:, None]).T @ u) * (m @ covariance @ m.T)
+    per_component = 2 * gram.triu().sum(1) - gram.diagonal()  # row j's share of the sum over the dropped block
+    dropped = per_component.flip(0).cumsum(0).flip(0)  # dropped[r] = sum over G[r:, r:]
+    return torch.cat([dropped, dropped.new_zeros(1)]) / 2
