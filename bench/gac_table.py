@@ -74,7 +74,10 @@ def variant(model, compressor, sizes):
 
 
 def unit_record(unit) -> dict:
-    return {"type": type(unit).__name__, **asdict(unit)}
+    """A unit as gac_gpu.py rebuilds it; its error curve to 6 significant digits (it only ranks sizes)."""
+    record = {"type": type(unit).__name__, **asdict(unit)}
+    record["error"] = [float(f"{e:.6g}") for e in unit.error]
+    return record
 
 
 def main() -> int:
@@ -186,7 +189,7 @@ def main() -> int:
     header = (
         "# GAC evaluation table: Gemma-3-270M at 15% compression (parameter ratio "
         f"{args.param_ratio} of the decoder Linears)\n\n"
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores shared with other jobs, {torch.get_num_threads()} torch threads, "
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores (load average {os.getloadavg()[0]:.2f} at the end), {torch.get_num_threads()} torch threads, "
         f"float32, no GPU. Commit {commit}. Command: `{command}` ({(time.time() - started) / 60:.0f} min).\n\n"
         f"Calibration: {args.calib_seqs} x {args.calib_len} tokens of the Python docs' library reference (ASVD activations, "
         f"pruner {args.importance} importance, {args.scope} ranking{heads_note}). Perplexity: {args.eval_chunks} x {args.eval_len} tokens of the other Python docs and of the KJV Bible. "
@@ -215,7 +218,7 @@ def main() -> int:
         "units": {m: [unit_record(u) for u in us] for m, us in units.items()},
         "sizes": {row: {"method": method, "sizes": chosen} for row, (method, chosen) in sizes.items()},
     }
-    (out / "gac_table.json").write_text(json.dumps(record, indent=1))
+    (out / "gac_table.json").write_text(json.dumps(record, separators=(",", ":")))
     plot(rows, seqs, out / "gac_table.png")
     print((out / "gac_table.md").read_text())
     return 0

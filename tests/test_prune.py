@@ -134,6 +134,15 @@ def test_gac_and_rounding_are_aligned_and_within_budget():
     assert aligned_fraction(units, full_sizes(units), 8) == 1.0
 
 
+def test_gac_values_an_mlp_width_by_the_salience_it_prunes():
+    _, pruner = fitted("llama", scope="global")
+    unit = next(u for u in pruner.propose(0.75) if isinstance(u, ChannelUnit) and 8 <= u.proposed <= u.full - 8)
+    ordered = torch.sort(pruner.salience[unit.name], descending=True).values
+    assert unit.gain(unit.proposed + 8) == pytest.approx(ordered[unit.proposed : unit.proposed + 8].sum().item())
+    assert unit.gain(unit.proposed - 8) == pytest.approx(-ordered[unit.proposed - 8 : unit.proposed].sum().item())
+    assert unit.gain(unit.full) == pytest.approx(ordered[unit.proposed :].sum().item())
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_save_load_round_trip_gives_identical_logits(arch, tmp_path):
     model, pruner = fitted(arch, scope="global")

@@ -18,7 +18,7 @@ The units carry that curve, so GAC values any rank by it rather than by a linear
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
@@ -65,20 +65,10 @@ class LowRankLinear(nn.Module):
 
 @dataclass(frozen=True)
 class LowRankUnit(Unit):
-    """A Linear factorised at rank `size`; size == full (= min(in, out)) keeps the dense Linear.
-
-    `error[r]`, when given, is the compressor's error at rank r (r = 0..full, error[full] = 0); GAC
-    then values a rank by the exact error difference instead of the linear s_i * parameters.
-    """
+    """A Linear factorised at rank `size`; size == full (= min(in, out)) keeps the dense Linear."""
 
     in_features: int
     out_features: int
-    error: tuple[float, ...] = field(default=(), repr=False, compare=False)
-
-    def gain(self, size: int) -> float:
-        if not self.error:
-            return super().gain(size)
-        return self.error[self.proposed] - self.error[size]
 
     def params(self, size: int) -> int:
         if size == self.full:
@@ -205,7 +195,7 @@ class ASVD:
         curve = self.curves[name]
         low, high = max(0, rank - SLOPE_WINDOW), min(full, rank + SLOPE_WINDOW)  # the curve's slope around the rank
         score = float(curve[low] - curve[high]) / ((high - low) * (in_f + out_f))
-        return LowRankUnit(name, rank, full, score, in_f, out_f, tuple(curve.tolist()))
+        return LowRankUnit(name, rank, full, score, in_f, out_f, error=tuple(curve.tolist()))
 
     @torch.no_grad()
     def apply(self, model: nn.Module, sizes: Mapping[str, int]) -> None:

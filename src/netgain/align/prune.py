@@ -11,7 +11,8 @@ it owns (gradients of the LM loss on calibration text, LLM-Pruner's "element" sa
 Sizes follow a parameter ratio over the decoder Linears either uniformly (the same kept fraction in
 every unit of a layer range) or by global ranking (lowest salience per parameter goes first).
 Pruned Linears are physically smaller `PrunedLinear`s that `netgain.align.load` rebuilds from the
-manifest. GAC re-selects the MLP widths (`select`); head counts are multiples of head_dim already.
+manifest. GAC re-selects the MLP widths (`select`), valuing a width by the salience it prunes away;
+head counts are multiples of head_dim already.
 """
 
 from __future__ import annotations
@@ -203,11 +204,11 @@ class Pruner:
         return {"kind": "channels", "hidden": block.gate_proj.in_features, "full": block.gate_proj.out_features,
                 "item": 1, "bias": block.gate_proj.bias is not None}
 
-    def _unit(self, name: str, size: int, score: float = 0.0) -> Unit:
+    def _unit(self, name: str, size: int, score: float = 0.0, error: tuple[float, ...] = ()) -> Unit:
         s = self.shapes[name]
         if s["kind"] == "heads":
             return HeadUnit(name, size, s["full"], score, s["hidden"], s["head_dim"], s["group"], s["bias"])
-        return ChannelUnit(name, size, s["full"], score, s["hidden"], s["bias"])
+        return ChannelUnit(name, size, s["full"], score, s["hidden"], s["bias"], error=error)
 
     def _in_range(self, name: str) -> bool:
         return self.layers is None or layer_index(name) in self.layers
@@ -229,7 +230,7 @@ class Pruner:
         units = []
         for n in names:
             count = kept.get(n, items.get(n, len(self.salience[n])))
-            units.append(self._unit(n, count * self.shapes[n]["item"], self._score(n, count)))
+            units.append(self._unit(n, count * self.shapes[n]["item"], self._score(n, count), self._removed(n)))
         return units
 
     def _params(self, full, kept: Mapping[str, int], fixed: int) -> int:
@@ -264,6 +265,14 @@ class Pruner:
         ordered = torch.sort(self.salience[name], descending=True).values
         window = ordered[max(0, kept - BOUNDARY) : kept + BOUNDARY]
         return float(window.mean()) / self._unit(name, self.shapes[name]["item"]).params(self.shapes[name]["item"])
+
+    def _removed(self, name: str) -> tuple[float, ...]:
+        """MLP units: the salience pruned away at every width 0..full (GAC values widths by it); heads: none."""
+        if self.shapes[name]["kind"] != "channels":
+            return ()
+        ordered = torch.sort(self.salience[name], descending=True).values
+        kept = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
+        return tuple((kept[-1] - kept).tolist())
 
     def order(self, name: str) -> torch.Tensor:
         """Items of a unit from most to least salient (pruning at any size keeps a prefix of this)."""

@@ -9,7 +9,7 @@ which GEMMs it runs; they never look inside the compressor. By convention ``size
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 
@@ -21,6 +21,8 @@ class Unit:
     proposed: int  # the compressor's own size d*
     full: int  # the size that means "unchanged"
     score: float  # importance s_i: value of one parameter kept in this unit
+    # the compressor's predicted loss at every size 0..full, where it knows one (error[full] = 0)
+    error: tuple[float, ...] = field(default=(), repr=False, compare=False, kw_only=True)
 
     def params(self, size: int) -> int:
         raise NotImplementedError
@@ -32,9 +34,11 @@ class Unit:
     def gain(self, size: int) -> float:
         """What moving from the proposed size to `size` is worth (GAC maximises the sum).
 
-        GAC's linearisation s_i (|W(size)| - |W*|); a compressor that knows its error at every
-        size overrides this with the exact difference.
+        The drop in the compressor's predicted loss where it gave `error`, else GAC's linearisation
+        s_i (|W(size)| - |W*|).
         """
+        if self.error:
+            return self.error[self.proposed] - self.error[size]
         return self.score * (self.params(size) - self.params(self.proposed))
 
 
