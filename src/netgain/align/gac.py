@@ -7,9 +7,10 @@ shows — a candidate slower than a larger candidate of the same unit — and so
 
     maximise  sum_i s_i (|W_i(d_i)| - |W_i(d_i*)|)   subject to   sum_i |W_i(d_i)| <= sum_i |W_i(d_i*)|
 
-with `netgain.plan` (the value is `Unit.gain`: this linear form, or the compressor's exact error
-difference where it knows one — on Gemma-3-270M the linear slope misjudged going dense against
-cutting elsewhere and cost perplexity). The naive baselines round every size to the alignment.
+with `netgain.plan`. The value is `Unit.gain`: this linear form, or, where the compressor predicts
+its loss at every size (ASVD's Fisher-predicted loss increase, the pruner's pruned salience), the
+exact difference of that curve, so GAC optimises the compressor's own objective over aligned sizes.
+The naive baselines round every size to the alignment.
 """
 
 from __future__ import annotations
