@@ -61,6 +61,42 @@ def test_nan_sent_uncompressed_when_asked():
     assert results == [("ok", False), ("ok", False)]  # NaN reaches the optimizer (e.g. a GradScaler skips the step)
 
 
+def skip_1d_step(rank, world_size, codec, nan_in_a=False):
+    model = ddp(Layers())
+    state = comm.register(model, codec, bits=2, min_compress_numel=0, skip_1d=True)
+    try:
+        loss = model(0, rank)
+        if nan_in_a and rank == 1:
+            loss = loss + model.module.a[0] * float("nan")
+        loss.backward()
+        return grads(model)
+    finally:
+        state.close()
+
+
+def true_mean(world_size):
+    expected = Layers()
+    for rank in range(world_size):
+        expected(0, rank).backward()
+    return torch.cat([p.grad.reshape(-1) / world_size for p in expected.parameters()])
+
+
+@pytest.mark.parametrize("codec", ["gqsgd", "fp16"])  # a checked (per-parameter) codec and a plain cast
+def test_skip_1d_sends_1d_gradients_exactly(codec):
+    results = run(skip_1d_step, 3, codec)
+    assert all(status == "ok" for status, _ in results), results
+    got, expected = results[0][1], true_mean(3)
+    a, b = slice(0, 3000), slice(3000, 5000)
+    assert torch.allclose(got[a], expected[a], atol=1e-6) and torch.allclose(got[5000:], expected[5000:], atol=1e-6)
+    assert not torch.equal(got[b], expected[b])  # the 2-D parameter still went through the codec
+    assert all(torch.equal(value, got) for _, value in results)
+
+
+def test_skip_1d_nan_in_an_exact_gradient_raises_on_every_rank():
+    results = run(skip_1d_step, 2, "gqsgd", True)
+    assert all(status == "error" and "NaN/Inf" in message for status, message in results), results
+
+
 def mismatched(rank, world_size):
     comm.register(ddp(Layers()), "gqsgd" if rank == 0 else "qsgd")
 

@@ -49,6 +49,7 @@ class TrainConfig:
     encoding: str
     ratio: float
     warmup_steps: int
+    skip_1d: bool
     powersgd_rank: int
     comm_budget_ms: float | None
     replan_every: int
@@ -78,6 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoding", choices=ENCODINGS, default="packed", help="gqsgd wire encoding")
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
+    parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
     parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix approximation rank (ddp-powersgd)")
     parser.add_argument("--comm-budget-ms", type=float,
                         help="kimad: communication time target per step (default: the measured backward time)")
@@ -134,7 +136,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ValueError("--data applies to --task lm only")
     out = args.out or str(Path("runs") / f"{args.codec}-{time.strftime('%Y%m%d-%H%M%S')}")
     return TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
-                       ratio=args.ratio, warmup_steps=args.warmup_steps, powersgd_rank=args.powersgd_rank,
+                       ratio=args.ratio, warmup_steps=args.warmup_steps, skip_1d=args.skip_1d,
+                       powersgd_rank=args.powersgd_rank,
                        comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
                        batch_size=batch_size, lr=args.lr, world_size=args.world_size, seed=args.seed,
                        data=args.data, eval_every=args.eval_every, out=out, checkpoint=args.checkpoint,
@@ -248,7 +251,7 @@ class Trainer:
         else:
             self.comm_state = comm.register(self.ddp, codec=config.codec, bits=config.bits,
                                             encoding=config.encoding, ratio=config.ratio,
-                                            warmup_steps=config.warmup_steps, seed=config.seed,
+                                            warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed,
                                             comm_budget_ms=config.comm_budget_ms, replan_every=config.replan_every)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0

@@ -51,8 +51,8 @@ class CommState:
     """
 
     def __init__(self, codec: Codec | AdaptivePlanner, *, process_group: dist.ProcessGroup | None = None,
-                 warmup_steps: int = 0, min_compress_numel: int = 1024, nonfinite: str = "raise",
-                 seed: int = 0, param_names: dict[int, str] | None = None):
+                 warmup_steps: int = 0, min_compress_numel: int = 1024, skip_1d: bool = False,
+                 nonfinite: str = "raise", seed: int = 0, param_names: dict[int, str] | None = None):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if warmup_steps < 0 or min_compress_numel < 0:
@@ -62,6 +62,7 @@ class CommState:
         self.codec = None if self.planner else codec
         self.process_group = process_group
         self.warmup_steps, self.min_compress_numel = warmup_steps, min_compress_numel
+        self.skip_1d = skip_1d  # biases and norm weights: few bytes, sent exact (as PowerSGD does)
         self.nonfinite, self.seed = nonfinite, seed
         self.param_names = param_names or {}
         self.step = 0
@@ -115,7 +116,8 @@ class CommState:
         if ready is not None:
             ready.record()
         layout = self._layout(bucket)
-        job = self._executor.submit(self._run, bucket.index(), buffer, layout, bucket.is_last(), ready)
+        exact = {key for key, p in zip(layout, bucket.parameters()) if p.dim() <= 1} if self.skip_1d else set()
+        job = self._executor.submit(self._run, bucket.index(), buffer, layout, exact, bucket.is_last(), ready)
 
         def resolve(done):
             error = done.exception()
@@ -124,13 +126,13 @@ class CommState:
         job.add_done_callback(resolve)
         return future
 
-    def _run(self, index, buffer, layout, is_last, ready):
+    def _run(self, index, buffer, layout, exact, is_last, ready):
         if ready is not None:
             ready.synchronize()
         try:
             if self._failure is not None:
                 raise RuntimeError(f"bucket {index} not sent: {self._failure}")
-            out = self._aggregate(index, buffer, layout)
+            out = self._aggregate(index, buffer, layout, exact)
             if buffer.is_cuda:
                 torch.cuda.current_stream().synchronize()
             return out
@@ -143,19 +145,23 @@ class CommState:
             if is_last:
                 self._end_step()
 
-    def _aggregate(self, index: int, x: torch.Tensor, layout) -> torch.Tensor:
+    def _aggregate(self, index: int, x: torch.Tensor, layout, exact: set[str]) -> torch.Tensor:
         link, codec = self._link, self.codec_for(index, x.numel())
         bytes_before, seconds_before = link.bytes_sent, link.seconds
         checked = codec.needs_header or self.planner is not None  # adaptive: every bucket's plan is checked
+        exact = set() if isinstance(codec, NoCompression) else exact & set(layout)
+        coded = {key: span for key, span in layout.items() if key not in exact}
         # checked codecs work per parameter (scale, RNG, EF21); the plain casts see the whole bucket
-        segments = layout if checked else {"bucket": (0, x.numel())}
+        segments = coded if checked or exact else {"bucket": (0, x.numel())}
         contexts = {key: self._context(key, k, codec, x.device) for key, (_, k) in segments.items()}
 
-        if checked and self._header(index, codec, x, segments, contexts):
+        if checked and segments and self._header(index, codec, x, segments, contexts):
             out = self._nonfinite(index, x, layout, link)
         else:
-            out = self._exchange(codec, x, segments, contexts)
-            if not checked and not bool(torch.isfinite(out).all()):
+            out = self._exchange(codec, x, segments, contexts) if segments else torch.zeros_like(x)
+            if exact:
+                self._exchange_exact(x, out, {key: layout[key] for key in layout if key in exact})
+            if (not checked or exact) and not bool(torch.isfinite(out).all()):
                 # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
                 if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
                     out = self._nonfinite(index, x, layout, link)
@@ -190,6 +196,13 @@ class CommState:
         for ctx, scale in zip(contexts.values(), header[:-3].tolist()):
             ctx.scale = scale or 1.0  # an all-zero parameter: codes are all zero whatever the scale
         return bool(header[-3] > 0)
+
+    def _exchange_exact(self, x, out, spans) -> None:
+        """The uncompressed parameters of a bucket (see skip_1d): one fp32 allreduce of their mean into `out`."""
+        joined = torch.cat([x[o:o + k] for o, k in spans.values()]) / self._link.world_size
+        summed = self._link.allreduce(joined)
+        for part, (o, k) in zip(summed.split([k for _, k in spans.values()]), spans.values()):
+            out[o:o + k] = part
 
     def _exchange(self, codec, x, segments, contexts) -> torch.Tensor:
         """Encode every segment, run the codec's one collective on the joined payload, decode."""
@@ -306,7 +319,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | 
     ``codec``: a name from CODEC_NAMES ("kimad" / "kimad+" adapt to the measured bandwidth, with
     a time budget of ``comm_budget_ms`` per step or, by default, the measured backward time).
     Checks that every rank asked for the same codec and options (raises on every rank if not).
-    ``options``: warmup_steps, min_compress_numel, nonfinite, seed (see CommState).
+    ``options``: warmup_steps, min_compress_numel, skip_1d, nonfinite, seed (see CommState).
     """
     if codec in ADAPTIVE_MODES:
         codec = AdaptivePlanner(codec, replan_every=replan_every,
@@ -323,7 +336,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | 
 
 def _check_same_config(state: CommState) -> None:
     config = {"codec": state.describe(), "warmup_steps": state.warmup_steps,
-              "min_compress_numel": state.min_compress_numel, "nonfinite": state.nonfinite, "seed": state.seed}
+              "min_compress_numel": state.min_compress_numel, "skip_1d": state.skip_1d, "nonfinite": state.nonfinite,
+              "seed": state.seed}
     configs = [None] * dist.get_world_size(state.process_group)
     dist.all_gather_object(configs, config, group=state.process_group)
     if any(c != configs[0] for c in configs):
