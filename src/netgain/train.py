@@ -8,6 +8,7 @@ function of (seed, step, rank), so a run resumed from a checkpoint equals a stra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -233,7 +234,14 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    Trainer(config, rank, world_size, device).train()
+    trainer = Trainer(config, rank, world_size, device)
+    try:
+        trainer.train()
+    finally:
+        if isinstance(trainer.comm_state, comm.CommState):
+            trainer.comm_state.close()  # buckets still queued on the communication thread finish first
+    del trainer
+    gc.collect()  # DDP objects in reference cycles die now, not at exit after their group is gone (SIGABRT)
     dist.barrier()  # no rank tears its process group down while a peer still uses it
     dist.destroy_process_group()
 
