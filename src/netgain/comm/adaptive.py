@@ -11,15 +11,12 @@ time comes from the alpha-beta model (netgain.cost.network) with the agreed band
 machine's calibrated codec cost; its error is measured on the current gradient (expected
 stochastic-rounding error for gqsgd, the dropped energy for top-k), summed over ranks. Every
 input to the solver is agreed by collectives, so every rank computes the same plan; the hook's
-header checks it bucket by bucket anyway. The plan aims below the budget by the 90th percentile
-of recent steps' measured / predicted communication time (never above the budget), so that noisy
-steps still fit, not only the average one.
+header checks it bucket by bucket anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 
 import torch
 
@@ -30,9 +27,6 @@ from .codecs import Codec, GlobalQSGD, NoCompression, TopK
 from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
-HEADROOM_STEPS = 20  # recent steps whose measured / predicted communication sets the plan's headroom
-HEADROOM_QUANTILE = 0.9
-MAX_HEADROOM = 2.0
 
 
 class AdaptivePlanner:
@@ -58,7 +52,6 @@ class AdaptivePlanner:
         self._predicted: float | None = None
         self._backward_s: float | None = None
         self._planned_bandwidth: float | None = None
-        self._overruns: deque[float] = deque(maxlen=HEADROOM_STEPS)  # agreed measured / predicted comm time
         self._stale = True
         self.last: dict = {}
 
@@ -79,15 +72,12 @@ class AdaptivePlanner:
         self._local_errors[index] = [option_error(option, x) for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
-    def end_step(self, link, step: int, backward_s: float, comm_s: float) -> None:
+    def end_step(self, link, step: int, backward_s: float) -> None:
         local_bandwidth, local_latency = self.monitor.local_estimate()
-        overrun = comm_s / self._predicted if self._predicted and not self._stale else 0.0
-        # MAX of bandwidth, backward time and overrun, MIN of latency (as -MAX of -latency)
-        agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, -local_latency, overrun], dtype=torch.float64),
+        # MAX of bandwidth and backward time, MIN of latency (as -MAX of -latency): the least-waiting rank's view
+        agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, -local_latency], dtype=torch.float64),
                                 torch.distributed.ReduceOp.MAX).tolist()
         bandwidth = self.monitor.update(agreed[0], -agreed[2])
-        if agreed[3] > 0:
-            self._overruns.append(agreed[3])
         self._backward_s = agreed[1] if self._backward_s is None else 0.7 * self._backward_s + 0.3 * agreed[1]
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
@@ -104,17 +94,10 @@ class AdaptivePlanner:
             self._solve(bandwidth, link.world_size)
         self.last = {"bandwidth_Bps": bandwidth, "budget_s": self.budget_s(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
-                     "predicted_comm_s": self._predicted, "headroom": self.headroom()}
+                     "predicted_comm_s": self._predicted}
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
-
-    def headroom(self) -> float:
-        """How far below the budget to aim: the 90th percentile of recent overruns, in [1, MAX_HEADROOM]."""
-        if not self._overruns:
-            return 1.0
-        quantile = torch.tensor(list(self._overruns)).quantile(HEADROOM_QUANTILE).item()
-        return min(max(1.0, quantile), MAX_HEADROOM)
 
     def _solve(self, bandwidth: float, world_size: int) -> None:
         fabric = network.Link("measured", bandwidth, self.monitor.latency / max(1, 2 * (world_size - 1)))
@@ -123,7 +106,7 @@ class AdaptivePlanner:
                   for option_index in range(len(self.options))]
                  for numel in (self._numels[i] for i in indices)]
         errors = [self.errors[i] for i in indices]
-        budget = self.budget_s() / self.headroom()
+        budget = self.budget_s()
         if self.mode == "kimad":
             choice = _uniform_choice(times, errors, budget)
         else:

@@ -253,8 +253,7 @@ class CommState:
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         failed, self._failure = self._failure, None
         if self.planner and self._link is not None and failed is None:
-            self.planner.end_step(self._link, self.step, totals["backward_s"],
-                                  totals["comm_s"] + totals["encode_s"] + totals["decode_s"])
+            self.planner.end_step(self._link, self.step, totals["backward_s"])
             totals.update(self.planner.last)
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
