@@ -38,6 +38,7 @@ from netgain.align import evaluate, gac, prune  # noqa: E402
 from netgain.align.lowrank import ASVD  # noqa: E402
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
 from netgain.cost.kernels import AnalyticCost  # noqa: E402
+from netgain.models import parameter_count  # noqa: E402
 from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 
@@ -148,7 +149,7 @@ def main() -> int:
             "variant": row,
             "aligned_8": aligned_fraction(u, chosen, 8) if method else 1.0,
             "aligned_16": aligned_fraction(u, chosen, 16) if method else 1.0,
-            "model_params": evaluate.parameter_count(m),
+            "model_params": parameter_count(m),
             "unit_params": total_params(u, chosen),
             "unit_params_vs_budget": total_params(u, chosen) / budget if method else float("nan"),
             **{f"ppl_{c}": evaluate.perplexity(m, held_out[c]) for c in CORPORA},

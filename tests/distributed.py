@@ -5,18 +5,13 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from netgain.train import free_port
 
 
 def _worker(rank, world_size, port, folder, fn, args):

@@ -57,6 +57,14 @@ def test_resume_equals_straight_run(tmp_path, codec):
         assert torch.equal(tensor, resumed["model"][name]), name
 
 
+@pytest.mark.parametrize("codec", ["kimad", "kimad+"])
+def test_adaptive_codecs_start_planning_after_warmup(tmp_path, codec):
+    """Warm-up buckets go uncompressed without the planner; it must not plan from them (kimad crashed)."""
+    assert run_train("--task", "digits", "--codec", codec, "--warmup-steps", "2", "--steps", "6", "--eval-every", "0",
+                     "--out", str(tmp_path / "run")) == 0
+    assert summary(tmp_path / "run")["steps"] == 6
+
+
 def test_worker_error_propagates(tmp_path, capsys):
     text = tmp_path / "tiny.txt"
     text.write_text("too short")

@@ -43,5 +43,6 @@ def digits_mlp(hidden: int = 128) -> nn.Module:
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters (`parameters()` yields a tied embedding once)."""
     return sum(p.numel() for p in model.parameters())
 

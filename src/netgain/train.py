@@ -30,7 +30,6 @@ import netgain.comm as comm
 from netgain import data, models
 
 TASKS = ("lm", "digits")
-ENCODINGS = ("packed", "int8")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
@@ -77,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="netgain codec; kimad/kimad+ adapt to the measured bandwidth; "
                         "ddp, ddp-fp16, ddp-powersgd are PyTorch's own hooks, for comparison")
     parser.add_argument("--bits", type=int, default=8, help="quantisation bits (qsgd, gqsgd, gqsgd-exp)")
-    parser.add_argument("--encoding", choices=ENCODINGS, default="packed", help="gqsgd wire encoding")
+    parser.add_argument("--encoding", choices=comm.codecs.ENCODINGS, default="packed", help="gqsgd wire encoding")
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
     parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
@@ -238,8 +237,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
     try:
         trainer.train()
     finally:
-        if isinstance(trainer.comm_state, comm.CommState):
-            trainer.comm_state.close()  # buckets still queued on the communication thread finish first
+        trainer.comm_state.close()  # buckets still queued on the communication thread finish first
     del trainer
     gc.collect()  # DDP objects in reference cycles die now, not at exit after their group is gone (SIGABRT)
     dist.barrier()  # no rank tears its process group down while a peer still uses it

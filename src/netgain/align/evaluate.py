@@ -108,7 +108,3 @@ def predicted_latency(model: nn.Module, cost, tokens: int, context: int) -> floa
     lm_head = model.get_output_embeddings()
     return seconds + cost.gemm(1, lm_head.in_features, lm_head.out_features)
 
-
-def parameter_count(model: nn.Module) -> int:
-    """Distinct parameters (tied embeddings counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

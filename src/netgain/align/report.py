@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
+from ..models import parameter_count
 from . import evaluate
 from .units import Unit, aligned_fraction, total_params
 
@@ -46,7 +47,7 @@ def compare(
             Row(
                 variant=variant,
                 unit_params=total_params(units, sizes),
-                model_params=evaluate.parameter_count(model),
+                model_params=parameter_count(model),
                 aligned_8=aligned_fraction(units, sizes, 8),
                 aligned_preferred=aligned_fraction(units, sizes, preferred_multiple),
                 perplexity=evaluate.perplexity(model, eval_chunks),

@@ -52,6 +52,9 @@ class TorchHookState:
             total += 4 * ((n + m) * r if compressed else grad.numel())
         return total
 
+    def close(self) -> None:
+        """Nothing to drain: PyTorch's hooks run on DDP's own threads (same interface as CommState)."""
+
     def state_dict(self) -> dict:
         return {"step": self.step}
 

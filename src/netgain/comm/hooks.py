@@ -115,8 +115,7 @@ class CommState:
         ready = torch.cuda.Event() if buffer.is_cuda else None
         if ready is not None:
             ready.record()
-        layout = self._layout(bucket)
-        exact = {key for key, p in zip(layout, bucket.parameters()) if p.dim() <= 1} if self.skip_1d else set()
+        layout, exact = self._layout(bucket)
         job = self._executor.submit(self._run, bucket.index(), buffer, layout, exact, bucket.is_last(), ready)
 
         def resolve(done):
@@ -149,7 +148,7 @@ class CommState:
         link, codec = self._link, self.codec_for(index, x.numel())
         bytes_before, seconds_before = link.bytes_sent, link.seconds
         checked = codec.needs_header or self.planner is not None  # adaptive: every bucket's plan is checked
-        exact = set() if isinstance(codec, NoCompression) else exact & set(layout)
+        exact = set() if isinstance(codec, NoCompression) else exact
         coded = {key: span for key, span in layout.items() if key not in exact}
         # checked codecs work per parameter (scale, RNG, EF21); the plain casts see the whole bucket
         segments = coded if checked or exact else {"bucket": (0, x.numel())}
@@ -169,8 +168,8 @@ class CommState:
                 for key, (o, k) in layout.items():  # after an exact step, EF21 estimates are exact
                     if key in self._feedback:
                         self._feedback[key].sync(x[o:o + k], out[o:o + k])
-            if self.planner and self.planner.wants_errors(self.step):
-                self.planner.observe(index, x)
+            if self.planner and codec is not _UNCOMPRESSED and self.planner.wants_errors(self.step):
+                self.planner.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
 
         self._records.append({
             "index": index, "numel": x.numel(), "codec": codec.describe(),
@@ -253,7 +252,11 @@ class CommState:
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         failed, self._failure = self._failure, None
         if self.planner and self._link is not None and failed is None:
-            self.planner.end_step(self._link, self.step, totals["backward_s"])
+            self._link.observer = None  # the planner's own small collectives are not samples of the link
+            try:
+                self.planner.end_step(self._link, self.step, totals["backward_s"])
+            finally:
+                self._link.observer = self.planner.monitor.observe
             totals.update(self.planner.last)
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
@@ -269,11 +272,16 @@ class CommState:
             self._executor = None
 
     # ---- bucket layout ---------------------------------------------------------------------
-    def _layout(self, bucket: dist.GradBucket) -> dict[str, tuple[int, int]]:
-        """parameter key -> (offset, numel) inside the bucket's flat buffer."""
+    def _layout(self, bucket: dist.GradBucket) -> tuple[dict[str, tuple[int, int]], set[str]]:
+        """parameter key -> (offset, numel) inside the bucket's flat buffer, and the keys sent exact (skip_1d)."""
         base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
-        return {self.param_names.get(id(p), f"param{id(p)}"): ((g.data_ptr() - base) // size, g.numel())
-                for p, g in zip(bucket.parameters(), bucket.gradients())}
+        layout, exact = {}, set()
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            key = self.param_names.get(id(p), f"param{id(p)}")
+            layout[key] = ((g.data_ptr() - base) // size, g.numel())
+            if self.skip_1d and p.dim() <= 1:
+                exact.add(key)
+        return layout, exact
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
