@@ -1,7 +1,7 @@
 """The GAC table's latency columns on a GPU (an H200 when one is lent): same architectures, random weights, bf16.
 
-Reads the CPU run's record (bench/results/gac_table.json: the model config, every unit with its score,
-and each variant's sizes), then on the current device:
+Reads the CPU run's record (bench/results/gac_table.json: the model config, every unit with the error
+curve GAC values it by, and each variant's sizes), then on the current device:
 1. profiles the real GEMM shapes of every unit's GAC candidates with `netgain.cost.profile.MeasuredCost`
    and re-runs GAC with those measured costs: extra rows "ASVD+GAC(device)" and "Pruner+GAC(device)";
 2. times prefill (S=512 and S=1024, batch 1) and one decode step on a 512-token cache, synchronised,
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 import torch
 
 from netgain.align import gac, prune
+from netgain.align.evaluate import interleaved_latency, predicted_latency
 from netgain.align.lowrank import LowRankUnit, install
 from netgain.align.prune import ChannelUnit, HeadUnit
 from netgain.align.units import aligned_fraction, total_params
@@ -54,7 +53,7 @@ def load_record(path: Path, layers: int | None):
     return config, units, sizes
 
 
-def build(base, method: str | None, sizes: dict[str, int], units) -> torch.nn.Module:
+def build(base, method: str | None, sizes: dict[str, int], units, pruner) -> torch.nn.Module:
     """`base` (embeddings shared) with ASVD factors or pruned blocks at `sizes`; random weights."""
     embedding = base.get_input_embeddings().weight
     model = copy.deepcopy(base, memo={id(embedding): embedding})
@@ -64,36 +63,8 @@ def build(base, method: str | None, sizes: dict[str, int], units) -> torch.nn.Mo
             torch.nn.init.normal_(module.down.weight, std=0.02)
             torch.nn.init.normal_(module.up.weight, std=0.02)
     elif method == "Pruner":
-        pruner = prune.Pruner(importance="magnitude")  # only a ranking is needed; values are random anyway
-        pruner.fit(base, [])
         pruner.apply(model, sizes)
     return model.eval()
-
-
-@torch.inference_mode()
-def time_in_turns(models: dict, seq: int, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
-    """Median prefill (last-token logits) and one-token decode seconds per model, timed A B C A B C ... with
-    the device synchronised around every call."""
-    device = next(iter(models.values())).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    vocab = min(m.config.vocab_size for m in models.values())
-    ids = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
-    prompt, step = ids[:, :seq], ids[:, seq:]
-    decode = {}
-    for name, model in models.items():
-        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        decode[name] = {"input_ids": step, key: getattr(model(input_ids=prompt, use_cache=True), key), "use_cache": True, "logits_to_keep": 1}
-    times = {name: {"prefill_s": [], "decode_s": []} for name in models}
-    for round_ in range(warmup + repeats):
-        for name, model in models.items():
-            for kind, kwargs in (("prefill_s", {"input_ids": prompt, "use_cache": False, "logits_to_keep": 1}), ("decode_s", decode[name])):
-                sync()
-                start = time.perf_counter()
-                model(**kwargs)
-                sync()
-                if round_ >= warmup:
-                    times[name][kind].append(time.perf_counter() - start)
-    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
 
 
 def main() -> int:
@@ -131,10 +102,11 @@ def main() -> int:
     torch.manual_seed(0)
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
-    models = {row: base if method is None else build(base, method, chosen, units[method]) for row, (method, chosen) in sizes.items()}
-    latency = {s: time_in_turns(models, s, args.repeats, args.warmup) for s in seqs}
+    pruner = prune.Pruner(importance="magnitude")  # only a ranking is needed; values are random anyway
+    pruner.fit(base, [])
+    models = {row: base if method is None else build(base, method, chosen, units[method], pruner) for row, (method, chosen) in sizes.items()}
+    latency = {s: interleaved_latency(models, s, args.repeats, args.warmup) for s in seqs}
     h200 = AnalyticCost("h200")
-    from netgain.align.evaluate import predicted_latency
 
     rows = []
     for row, (method, chosen) in sizes.items():

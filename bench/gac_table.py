@@ -13,8 +13,8 @@ count it), all rows from one run:
     python bench/gac_table.py            # writes bench/results/gac_table.{md,csv,json,png}
     python bench/gac_table.py --quick    # a small smoke run (fewer tokens, one repeat), results to /tmp
 
-The per-variant unit sizes and scores go to gac_table.json, which bench/gac_gpu.sh reads to rebuild the
-same architectures on a GPU.
+The per-variant unit sizes and the units (with their error curves) go to gac_table.json, which
+bench/gac_gpu.sh reads to rebuild the same architectures on a GPU.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def test_lm_writes_record_and_loss_curve(tmp_path):
 def test_resume_equals_straight_run(tmp_path, codec):
     """8 steps straight == resuming its step-4 checkpoint in fresh processes for 4 more steps.
 
-    gqsgd carries per-bucket rounding RNG and topk EF21 error feedback: both must be restored.
+    gqsgd carries per-parameter rounding RNG and topk EF21 error feedback: both must be restored.
     """
     common = ["--task", "digits", "--codec", codec, "--ratio", "0.1", "--eval-every", "0", "--steps", "8"]
     assert run_train(*common, "--checkpoint", str(tmp_path / "straight-{step}.pt"), "--checkpoint-every", "4",

@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Mapping
 
 import torch
 from torch import nn
 
 from ..plan import Option, solve
+from .calibrate import loss_backward
 from .units import Unit, check_propose
 
 # the per-layer parameter ratios the allocation chooses from (1.0 = keep the layer dense)
 RATIO_GRID = tuple(round(0.1 + 0.05 * i, 2) for i in range(18)) + (1.0,)
 ALLOCATION_RESOLUTION = 2000  # budget steps of the allocation knapsack
-SLOPE_WINDOW = 8  # ranks either side of a proposal over which a unit's linear score is taken
+SLOPE_WINDOW = 8  # ranks either side of a proposal for its linear score (a diagnostic: GAC uses the curve)
 
 
 class LowRankLinear(nn.Module):
@@ -126,27 +126,15 @@ class ASVD:
         if not linears:
             raise ValueError("model has no nn.Linear inside decoder layers ('.layers.' in the module name)")
         stats = {name: _Calibration(m.in_features, m.out_features) for name, m in linears.items()}
-        tokens = [0]  # next-token predictions in the current batch: turns d(mean loss) into d(per-token loss)
         handles = [m.register_forward_pre_hook(stats[name].record_input) for name, m in linears.items()]
-        handles += [m.register_forward_hook(stats[name].watch_output(tokens)) for name, m in linears.items()]
-        # gradients w.r.t. activations only: weights frozen, the embedding output is the leaf
+        handles += [m.register_forward_hook(stats[name].watch_output) for name, m in linears.items()]
+        # gradients w.r.t. activations only: no weight is trainable, the embedding output is the leaf
         handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach().requires_grad_()))
-        frozen = {p: p.requires_grad for p in model.parameters()}
         try:
-            for p in frozen:
-                p.requires_grad_(False)
-            with torch.enable_grad():
-                for ids in batches:
-                    ids = ids.to(model.device)
-                    tokens[0] = ids.numel() - ids.shape[0]
-                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                    if progress is not None:
-                        progress.update(1)
+            loss_backward(model, batches, progress=progress)
         finally:
             for h in handles:
                 h.remove()
-            for p, flag in frozen.items():
-                p.requires_grad_(flag)
         if not all(c.count for c in stats.values()):
             raise ValueError("calibration batches never reached some decoder Linears (no batches given?)")
         threads = torch.get_num_threads()
@@ -174,20 +162,20 @@ class ASVD:
         check_propose(bool(self.factors), param_ratio)
         names = sorted(self.factors)
         budget = param_ratio * sum(self.shapes[n][0] * self.shapes[n][1] for n in names)
-        groups = [[Option(params, -error, rank) for error, params, rank in map(partial(self._option, n), RATIO_GRID)]
-                  for n in names]
+        groups = [[self._option(n, ratio) for ratio in RATIO_GRID] for n in names]
         try:
             solution = solve(groups, budget, resolution=ALLOCATION_RESOLUTION)
         except ValueError:
             raise ValueError(f"param_ratio {param_ratio} is below what the smallest grid ratio {RATIO_GRID[0]} reaches") from None
         return [self._unit(n, g[c].label) for n, g, c in zip(names, groups, solution.choice)]
 
-    def _option(self, name: str, ratio: float) -> tuple[float, int, int]:
+    def _option(self, name: str, ratio: float) -> Option:
+        """One allocation choice: the grid ratio's rank, its parameters, minus its predicted loss."""
         in_f, out_f = self.shapes[name]
         full = min(in_f, out_f)
         rank = full if ratio == 1.0 else min(rank_for_ratio(in_f, out_f, ratio), full)
-        params = in_f * out_f if rank == full else rank * (in_f + out_f)
-        return (self.truncation_error(name, rank) if rank < full else 0.0), params, rank
+        params = LowRankUnit(name, rank, full, 0.0, in_f, out_f).params(rank)
+        return Option(params, -self.truncation_error(name, rank), rank)
 
     def _unit(self, name: str, rank: int) -> LowRankUnit:
         in_f, out_f = self.shapes[name]
@@ -237,15 +225,16 @@ class _Calibration:
         self.gram += x.T @ x
         self.count += x.shape[0]
 
-    def watch_output(self, tokens: list[int]):
+    def watch_output(self, module, args, output) -> None:
+        """Forward hook: record the gradient that reaches this (batch, seq, out) output."""
+        # the loss is a mean over batch x (seq - 1) next-token predictions: scale to the per-token loss
+        predictions = output.shape[0] * (output.shape[1] - 1)
+
         def record_grad(grad):  # returns None: the gradient flows on unchanged
-            self.grad_sq += (grad.detach().float().cpu() * tokens[0]).reshape(-1, grad.shape[-1]).pow(2).sum(0)
+            self.grad_sq += (grad.detach().float().cpu() * predictions).reshape(-1, grad.shape[-1]).pow(2).sum(0)
 
-        def hook(module, args, output):
-            if output.requires_grad:
-                output.register_hook(record_grad)
-
-        return hook
+        if output.requires_grad:
+            output.register_hook(record_grad)
 
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / self.count

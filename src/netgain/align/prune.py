@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import gac
+from .calibrate import loss_backward
 from .lowrank import decoder_linears
 from .units import Unit, check_propose, proposed_sizes
 
@@ -32,7 +33,6 @@ IMPORTANCE = ("taylor", "magnitude")
 SCOPES = ("uniform", "global")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-BOUNDARY = 8  # channels either side of the cut whose salience sets a unit's GAC score
 
 
 class PrunedLinear(nn.Linear):
@@ -94,9 +94,8 @@ def prunable_blocks(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         if ".layers." not in f".{name}":
             continue
-        if all(isinstance(getattr(module, p, None), nn.Linear) for p in MLP_PROJECTIONS):
-            blocks[name] = module
-        elif all(isinstance(getattr(module, p, None), nn.Linear) for p in ATTENTION_PROJECTIONS):
+        if any(all(isinstance(getattr(module, p, None), nn.Linear) for p in projections)
+               for projections in (MLP_PROJECTIONS, ATTENTION_PROJECTIONS)):
             blocks[name] = module
     return blocks
 
@@ -148,6 +147,7 @@ class Pruner:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.importance, self.scope, self.layers, self.heads = importance, scope, layers, heads
         self.salience: dict[str, torch.Tensor] = {}  # unit name -> salience per item (channel or KV group)
+        self.ranking: dict[str, torch.return_types.sort] = {}  # unit name -> salience sorted high to low, and its items
         self.shapes: dict[str, dict] = {}  # unit name -> what its Unit needs
         self.fixed_params = 0  # decoder Linear parameters outside every unit (e.g. attention with one KV head)
 
@@ -168,6 +168,7 @@ class Pruner:
         try:
             for name, block in blocks.items():
                 self.salience[name] = item_salience(block, weight_salience).double().cpu()
+                self.ranking[name] = torch.sort(self.salience[name], descending=True, stable=True)
                 self.shapes[name] = self._shape(block)
         finally:
             model.zero_grad(set_to_none=True)
@@ -175,23 +176,10 @@ class Pruner:
         self.fixed_params = linears - sum(self._unit(n, s["full"]).params(s["full"]) for n, s in self.shapes.items())
 
     def _accumulate_gradients(self, model, blocks, batches, progress) -> None:
-        weights = {id(getattr(b, p).weight) for b in blocks.values() for p in ATTENTION_PROJECTIONS + MLP_PROJECTIONS if hasattr(b, p)}
-        flags = {id(p): p.requires_grad for p in model.parameters()}
-        for p in model.parameters():
-            p.requires_grad_(id(p) in weights)  # no gradients for embeddings / LM head: memory
+        # gradients for the projection weights only (none for embeddings / LM head: memory)
+        weights = frozenset(id(getattr(b, p).weight) for b in blocks.values() for p in ATTENTION_PROJECTIONS + MLP_PROJECTIONS if hasattr(b, p))
         model.zero_grad(set_to_none=True)
-        seen = 0
-        try:
-            for ids in batches:
-                ids = ids.to(model.device)
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                seen += 1
-                if progress is not None:
-                    progress.update(1)
-        finally:
-            for p in model.parameters():
-                p.requires_grad_(flags[id(p)])
-        if not seen:
+        if not loss_backward(model, batches, weights, progress):
             raise ValueError("Taylor importance needs calibration batches; none were given")
 
     @staticmethod
@@ -204,17 +192,19 @@ class Pruner:
         return {"kind": "channels", "hidden": block.gate_proj.in_features, "full": block.gate_proj.out_features,
                 "item": 1, "bias": block.gate_proj.bias is not None}
 
-    def _unit(self, name: str, size: int, score: float = 0.0, error: tuple[float, ...] = ()) -> Unit:
+    def _unit(self, name: str, size: int, error: tuple[float, ...] = ()) -> Unit:
+        """A unit with no linear score: GAC values MLP widths by `error` and never re-sizes heads."""
         s = self.shapes[name]
         if s["kind"] == "heads":
-            return HeadUnit(name, size, s["full"], score, s["hidden"], s["head_dim"], s["group"], s["bias"])
-        return ChannelUnit(name, size, s["full"], score, s["hidden"], s["bias"], error=error)
+            return HeadUnit(name, size, s["full"], 0.0, s["hidden"], s["head_dim"], s["group"], s["bias"])
+        return ChannelUnit(name, size, s["full"], 0.0, s["hidden"], s["bias"], error=error)
 
     def _in_range(self, name: str) -> bool:
         return self.layers is None or layer_index(name) in self.layers
 
     def propose(self, param_ratio: float) -> list[Unit]:
-        """Sizes keeping `param_ratio` of the decoder Linears' parameters (as ASVD counts them), each unit scored for GAC."""
+        """Sizes keeping `param_ratio` of the decoder Linears' parameters (as ASVD counts them); MLP units carry
+        the salience pruned at every width, by which GAC values them."""
         check_propose(bool(self.salience), param_ratio)
         names = list(self.salience)
         full = {n: self._unit(n, self.shapes[n]["full"]) for n in names}
@@ -229,8 +219,8 @@ class Pruner:
         kept = self._uniform(full, items, fixed, budget) if self.scope == "uniform" else self._global(full, items, fixed, budget)
         units = []
         for n in names:
-            count = kept.get(n, items.get(n, len(self.salience[n])))
-            units.append(self._unit(n, count * self.shapes[n]["item"], self._score(n, count), self._removed(n)))
+            count = kept.get(n, len(self.salience[n]))
+            units.append(self._unit(n, count * self.shapes[n]["item"], error=self._removed(n)))
         return units
 
     def _params(self, full, kept: Mapping[str, int], fixed: int) -> int:
@@ -250,7 +240,7 @@ class Pruner:
         kept = dict(items)
         per_item = {n: full[n].params(self.shapes[n]["item"]) for n in items}
         candidates = sorted(
-            (float(s) / per_item[n], n) for n in items for s in torch.sort(self.salience[n], descending=True).values[1:]
+            (float(s) / per_item[n], n) for n in items for s in self.ranking[n].values[1:]
         )
         params = self._params(full, kept, fixed)
         for _, n in candidates:
@@ -260,23 +250,17 @@ class Pruner:
             params -= per_item[n]
         return kept
 
-    def _score(self, name: str, kept: int) -> float:
-        """Salience per parameter of the items either side of the cut (GAC's marginal value of a parameter)."""
-        ordered = torch.sort(self.salience[name], descending=True).values
-        window = ordered[max(0, kept - BOUNDARY) : kept + BOUNDARY]
-        return float(window.mean()) / self._unit(name, self.shapes[name]["item"]).params(self.shapes[name]["item"])
-
     def _removed(self, name: str) -> tuple[float, ...]:
         """MLP units: the salience pruned away at every width 0..full (GAC values widths by it); heads: none."""
         if self.shapes[name]["kind"] != "channels":
             return ()
-        ordered = torch.sort(self.salience[name], descending=True).values
+        ordered = self.ranking[name].values
         kept = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
         return tuple((kept[-1] - kept).tolist())
 
     def order(self, name: str) -> torch.Tensor:
         """Items of a unit from most to least salient (pruning at any size keeps a prefix of this)."""
-        return torch.argsort(self.salience[name], descending=True, stable=True)
+        return self.ranking[name].indices
 
     @torch.no_grad()
     def apply(self, model: nn.Module, sizes: Mapping[str, int]) -> None:

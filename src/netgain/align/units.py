@@ -1,4 +1,4 @@
-"""What a compressor hands to GAC: independently sized units, each with a proposed size and a score.
+"""What a compressor hands to GAC: independently sized units, each with a proposed size and a value curve.
 
 A unit is one thing whose size a compressor chooses: the rank of a factorised Linear, or (for a
 pruner) the width of an MLP or the head count of an attention block. GAC, the naive rounding
@@ -20,7 +20,7 @@ class Unit:
     name: str
     proposed: int  # the compressor's own size d*
     full: int  # the size that means "unchanged"
-    score: float  # importance s_i: value of one parameter kept in this unit
+    score: float  # importance s_i: value of one parameter kept (GAC's linear fallback when `error` is empty)
     # the compressor's predicted loss at every size 0..full, where it knows one (error[full] = 0)
     error: tuple[float, ...] = field(default=(), repr=False, compare=False, kw_only=True)
 
@@ -43,7 +43,7 @@ class Unit:
 
 
 class Compressor(Protocol):
-    """A post-training compressor GAC can wrap: calibrate, propose sizes and scores, rebuild at any sizes."""
+    """A post-training compressor GAC can wrap: calibrate, propose sized units, rebuild at any sizes."""
 
     def fit(self, model, batches, progress=None) -> None: ...
 

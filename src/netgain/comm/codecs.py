@@ -6,8 +6,8 @@ contributes, per-bucket scalars excluded) and whether its estimate of the mean i
 encodes on the sending side and decodes what the collective returns; it never talks to the
 network itself (see collectives.Link), which keeps every codec a few lines of arithmetic.
 
-Codecs with ``needs_header`` get ctx.scale = the global max |g| of the bucket (one 4-float
-allreduce MAX per bucket, which also carries the non-finite flag).
+Codecs with ``needs_header`` get ctx.scale = the global max |g| of their parameter (one allreduce
+MAX per bucket of every parameter's max, plus the non-finite flag and the plan check).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Context:
     world_size: int
     generator: torch.Generator          # this rank's own rounding noise
     shared_seed: int = 0                # identical on every rank for this bucket and step
-    scale: float = 0.0                  # global max |g| (codecs with needs_header)
+    scale: float = 0.0                  # global max |g| of this parameter (codecs with needs_header)
     feedback: EF21 | None = None
     sent: tuple | None = None           # (index, values) this rank sent, for EF21
     seconds: dict = field(default_factory=lambda: {"encode_s": 0.0, "decode_s": 0.0})
@@ -128,7 +128,7 @@ class Int8Codes(Codec):
 class QSGD(Int8Codes):
     """Classic QSGD: each worker's own scale (its max |g|), 2^(b-1)-1 levels per sign, stochastic
     rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
-    Wire: 8 bits/element (int8 codes) + one fp32 scale per bucket; the allgather makes every rank
+    Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
     receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
     """
 

@@ -9,7 +9,7 @@ backward pass keeps computing while earlier buckets are encoded and sent. A sing
 issuing collectives in submission order keeps their order identical on every rank (DDP submits
 buckets in index order), which multi-step pipelines (header -> payload) need on gloo.
 
-Per bucket: [header allreduce MAX: global max |g|, non-finite flag, plan signature] ->
+Per bucket: [header allreduce MAX: max |g| per parameter, non-finite flag, plan signature] ->
 codec.encode -> collective -> codec.decode. The header makes every rank see the same verdict,
 so NaN/Inf or a plan mismatch raises on every rank instead of hanging one of them.
 
@@ -45,7 +45,8 @@ class CommState:
     Codecs work per parameter inside a bucket (a scale, an RNG stream and EF21 buffers per
     parameter, one collective per bucket), so nothing depends on how DDP groups parameters into
     buckets: state survives DDP rebuilding its buckets after the first step, and a resumed run
-    (whose first step uses DDP's initial layout again) reproduces an uninterrupted one exactly.
+    (whose first step uses DDP's initial layout again) reproduces an uninterrupted one exactly
+    (except gqsgd-exp, whose ring chunks follow the bucket layout, and Kimad's planner, which re-measures).
     Holds no process group: `state_dict()` / `load_state_dict()` carry the step counter and every
     parameter's RNG state and EF21 buffers.
     """

@@ -169,7 +169,7 @@ def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float
 
 COLLECTIVES = ("allreduce", "allgather", "ring")
 ALGORITHMS = ("auto", "ring", "tree")  # auto: the faster per message, as NCCL's tuner picks
-HEADER_BYTES = 16  # netgain's per-bucket header: one 4-float allreduce MAX (scale, flags, plan check)
+HEADER_BYTES = 16  # netgain's per-bucket header allreduce MAX: (3 + parameters) floats, latency-bound; modelled as 4
 
 
 @dataclass(frozen=True)
