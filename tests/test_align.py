@@ -85,7 +85,7 @@ def test_loss_curve_is_the_fisher_weighted_output_error_of_each_truncation():
     weight, x = torch.randn(12, 9, generator=g), torch.randn(500, 9, generator=g) * torch.linspace(0.1, 3, 9)
     scale, fisher = x.abs().mean(0).sqrt(), torch.rand(12, generator=g, dtype=torch.float64)
     u, sigma, vt = torch.linalg.svd(weight * scale, full_matrices=False)
-    curve = loss_curve(u, sigma, vt, scale, (x.T @ x).double() / len(x), fisher)
+    curve = loss_curve(u, sigma, vt / scale, (x.T @ x).double() / len(x), fisher)
     for rank in (0, 3, 9):
         kept = (u[:, :rank] * sigma[:rank]) @ (vt[:rank] / scale)
         dy = (x @ (weight - kept).T).double()

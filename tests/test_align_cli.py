@@ -3,6 +3,7 @@
 import argparse
 import json
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -58,3 +59,37 @@ def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
     ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
     assert ranks and all(r % 8 == 0 for r in ranks.values())
     assert all(report["sizes"]["gac"][n] == r for n, r in ranks.items())
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("inside", ["", "sub/dir"])
+def test_out_inside_model_is_refused_before_anything_is_written(tmp_path, inside):
+    model_dir = tiny_model_dir(tmp_path / "model")
+    before = sorted(p.name for p in model_dir.iterdir())
+    (tmp_path / "calib.txt").write_text(TEXT)
+    args = parse("--model", str(model_dir), "--out", str(model_dir / inside), "--calib", str(tmp_path / "calib.txt"),
+                 "--eval", str(tmp_path / "calib.txt"), "--cost", "a100")
+    with pytest.raises(SystemExit, match="inside --model"):
+        cli.run(args)
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
+def test_model_must_be_a_local_hugging_face_directory(tmp_path):
+    with pytest.raises(SystemExit, match="no such directory"):
+        cli.run(parse("--model", str(tmp_path / "missing"), "--out", str(tmp_path / "out"), "--cost", "a100"))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(SystemExit, match="no config.json"):
+        cli.run(parse("--model", str(tmp_path / "plain"), "--out", str(tmp_path / "out"), "--cost", "a100"))
+
+
+@pytest.mark.parametrize("method", ["asvd", "prune"])
+def test_align_cli_runs_every_method(tmp_path, method):
+    report = run_align(tmp_path, "--method", method, "--variants", "raw,gac")
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["gac"]["aligned_8"] == 1.0 and rows["gac"]["unit_params"] <= report["budget"]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["method"] == method

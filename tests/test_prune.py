@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
 from netgain.align import load, save
-from netgain.align.prune import ChannelUnit, HeadUnit, PrunedLinear, Pruner, parse_layers, round_sizes, select
+from netgain.align.prune import ChannelUnit, HeadUnit, PrunedLinear, Pruner, parse_layers
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params
 from netgain.cost.kernels import AnalyticCost
 
@@ -127,7 +127,7 @@ def test_gac_and_rounding_are_aligned_and_within_budget():
     units = pruner.propose(0.75)
     budget = total_params(units, proposed_sizes(units))
     channels = [u for u in units if isinstance(u, ChannelUnit)]
-    for sizes in (select(units, AnalyticCost("a100"), 512), round_sizes(units, 8, "down")):
+    for sizes in (pruner.select(units, AnalyticCost("a100"), 512), pruner.round_sizes(units, 8, "down")):
         assert total_params(units, sizes) <= budget
         assert aligned_fraction(channels, sizes, 8) == 1.0
         assert all(sizes[u.name] == u.proposed for u in units if isinstance(u, HeadUnit))

@@ -10,12 +10,15 @@ shows — a candidate slower than a larger candidate of the same unit — and so
 with `netgain.plan`. The value is `Unit.gain`: this linear form, or, where the compressor predicts
 its loss at every size (ASVD's Fisher-predicted loss increase, the pruner's pruned salience), the
 exact difference of that curve, so GAC optimises the compressor's own objective over aligned sizes.
-The naive baselines round every size to the alignment.
+The naive baselines round every size to the alignment. GAC cannot lose to round-down on its own
+terms: round-down's size is always a candidate (never dropped as a cliff), and when the knapsack's
+answer is no better on the objective than round-down's sizes (budget quantisation, ties), the
+faster of the two under the cost model is returned, round-down on a tie.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..plan import Option, solve
 from .units import Unit, proposed_sizes, total_params
@@ -29,38 +32,63 @@ def unit_latency(unit: Unit, size: int, cost, tokens: int) -> float:
 
 
 def candidate_sizes(unit: Unit, multiple: int, steps: int) -> list[int]:
-    """Sizes at multiples of `multiple` within `steps` multiples of the proposal that save parameters."""
+    """Sizes at multiples of `multiple` within `steps` multiples of the proposal that save parameters,
+    and round-down's size."""
     center = multiple * round(unit.proposed / multiple)
     dense = unit.params(unit.full)
     sizes = {center + k * multiple for k in range(-steps, steps + 1)}
-    return sorted(s for s in sizes if multiple <= s < unit.full and unit.params(s) < dense)
+    near = {s for s in sizes if multiple <= s < unit.full and unit.params(s) < dense}
+    return sorted(near | {round_size(unit, multiple, "down")})
 
 
 def unit_options(unit: Unit, cost, tokens: int, multiple: int, steps: int, tolerance: float = 0.0) -> list[int]:
     """GAC's candidates for one unit: aligned sizes near the proposal, plus "unchanged" where compressing
-    at the proposed size does not pay in latency, minus the cliffs."""
+    at the proposed size does not pay in latency, minus the cliffs (round-down's size is never dropped)."""
     if unit.proposed == unit.full:
         return [unit.full]
     sizes = candidate_sizes(unit, multiple, steps)
     if unit_latency(unit, unit.full, cost, tokens) <= unit_latency(unit, unit.proposed, cost, tokens):
         sizes.append(unit.full)
-    return drop_cliffs(unit, sizes, cost, tokens, tolerance)
+    return drop_cliffs(unit, sizes, cost, tokens, tolerance, keep=round_size(unit, multiple, "down"))
 
 
-def drop_cliffs(unit: Unit, sizes: Sequence[int], cost, tokens: int, tolerance: float = 0.0) -> list[int]:
+def drop_cliffs(unit: Unit, sizes: Sequence[int], cost, tokens: int, tolerance: float = 0.0, keep: int | None = None) -> list[int]:
     """Keep the Pareto front of parameters vs latency: drop a size when a larger one is faster.
 
-    `tolerance` (a fraction) ignores speed-ups smaller than measurement noise. The smallest size is
-    always kept, so the knapsack stays as feasible as before.
+    `tolerance` (a fraction) ignores speed-ups smaller than measurement noise. The smallest size and
+    `keep` are always kept, so the knapsack stays as feasible as before.
     """
     latency = {s: unit_latency(unit, s, cost, tokens) for s in sizes}
     smallest = min(sizes, key=unit.params)
     return [
         s
         for s in sizes
-        if s == smallest
+        if s in (smallest, keep)
         or not any(unit.params(t) > unit.params(s) and latency[t] * (1 + tolerance) < latency[s] for t in sizes)
     ]
+
+
+def objective(units: Sequence[Unit], sizes: Mapping[str, int]) -> float:
+    """What GAC maximises: the summed gain of moving every unit from its proposal to `sizes`."""
+    return sum(u.gain(sizes[u.name]) for u in units)
+
+
+def latency(units: Sequence[Unit], sizes: Mapping[str, int], cost, tokens: int) -> float:
+    """The units' summed GEMM seconds at `sizes` under a cost model."""
+    return sum(unit_latency(u, sizes[u.name], cost, tokens) for u in units)
+
+
+def no_worse_than(units: Sequence[Unit], chosen: dict[str, int], baseline: dict[str, int], cost, tokens: int,
+                  rel: float = 1e-9) -> dict[str, int]:
+    """`chosen`, unless `baseline` (within the same budget) is better on the objective, or ties it
+    (within `rel` of the objective's scale) and is no slower: then `baseline`."""
+    if total_params(units, baseline) > total_params(units, proposed_sizes(units)):
+        return chosen
+    ours, theirs = objective(units, chosen), objective(units, baseline)
+    tie = abs(ours - theirs) <= rel * max(1.0, abs(ours), abs(theirs))
+    if (theirs > ours and not tie) or (tie and latency(units, baseline, cost, tokens) <= latency(units, chosen, cost, tokens)):
+        return dict(baseline)
+    return chosen
 
 
 def select(
@@ -85,19 +113,21 @@ def select(
             progress.update(1)
     budget = total_params(units, proposed_sizes(units))
     solution = solve(groups, budget, resolution=resolution)
-    return {u.name: g[c].label for u, g, c in zip(units, groups, solution.choice)}
+    chosen = {u.name: g[c].label for u, g, c in zip(units, groups, solution.choice)}
+    return no_worse_than(units, chosen, round_sizes(units, multiple, "down"), cost, tokens)
+
+
+def round_size(unit: Unit, multiple: int, mode: str) -> int:
+    """One unit's naive size: its proposal rounded to a multiple (at least one multiple, at most full)."""
+    if mode not in ROUNDING:
+        raise ValueError(f"mode must be one of {ROUNDING}, got {mode!r}")
+    if unit.proposed == unit.full:
+        return unit.full
+    rounded = multiple * (round(unit.proposed / multiple) if mode == "nearest" else unit.proposed // multiple)
+    return min(max(multiple, rounded), unit.full)
 
 
 def round_sizes(units: Sequence[Unit], multiple: int = 8, mode: str = "nearest") -> dict[str, int]:
     """The naive baseline: every proposed size rounded to a multiple (nearest ignores the budget, down keeps
     it, except that a size below one multiple becomes one multiple)."""
-    if mode not in ROUNDING:
-        raise ValueError(f"mode must be one of {ROUNDING}, got {mode!r}")
-    sizes = {}
-    for u in units:
-        if u.proposed == u.full:
-            sizes[u.name] = u.full
-            continue
-        rounded = multiple * (round(u.proposed / multiple) if mode == "nearest" else u.proposed // multiple)
-        sizes[u.name] = min(max(multiple, rounded), u.full)
-    return sizes
+    return {u.name: round_size(u, multiple, mode) for u in units}

@@ -1,9 +1,10 @@
-"""ASVD-style activation-aware low-rank compression of the Linears in a causal LM's decoder layers.
+"""Activation-aware low-rank compression of the Linears in a causal LM's decoder layers (ASVD; SVD-LLM in svdllm.py).
 
-Each weight W (out x in) is scaled by the calibration activations' mean magnitude per input
-channel to the power alpha, W S = U diag(sigma) V^T; the truncated product is folded back into two
-Linears, in -> r (sqrt(sigma) V^T S^-1) and r -> out (U sqrt(sigma)). The full SVD is kept, so
-any rank can be cut again without recomputing (GAC re-selects ranks after the fact).
+Each weight W (out x in) is factorised after a whitening S of its input, W S = U diag(sigma) V^T;
+the truncated product is folded back into two Linears, in -> r (sqrt(sigma) V^T S^-1) and
+r -> out (U sqrt(sigma)). ASVD's S is diagonal: the calibration activations' mean magnitude per input
+channel to the power alpha. The full SVD is kept, so any rank can be cut again without recomputing
+(GAC re-selects ranks after the fact).
 
 Per-layer ratios come from ASVD's grid, rank = floor(params * ratio / (in + out)). ASVD measures
 each layer's sensitivity as calibration perplexity per ratio (a forward pass each) and binary-searches
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..plan import Option, solve
 from .calibrate import loss_backward
+from .compressor import Compressor
 from .units import Unit, check_propose
 
 # the per-layer parameter ratios the allocation chooses from (1.0 = keep the layer dense)
@@ -109,19 +111,21 @@ def install(model: nn.Module, ranks: Mapping[str, int]) -> dict[str, LowRankLine
     return installed
 
 
-class ASVD:
-    """Activation-aware SVD compressor (see the module docstring); implements `units.Compressor`."""
+class LowRank(Compressor):
+    """What ASVD and SVD-LLM share: calibration, the whitened SVD of every Linear, the loss-curve rank
+    allocation and the rebuild; a subclass says how it whitens (`factorise`)."""
 
-    def __init__(self, alpha: float = 0.5):
-        if not 0 <= alpha <= 1:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        self.alpha = alpha
-        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    def __init__(self):
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name -> U, sigma, V^T S^-1
         self.curves: dict[str, torch.Tensor] = {}  # name -> predicted loss increase at rank 0..full
         self.shapes: dict[str, tuple[int, int]] = {}
 
+    def factorise(self, weight: torch.Tensor, calibration: _Calibration) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """U, sigma and M = V^T S^-1 of W S = U diag(sigma) V^T (float32, on the CPU)."""
+        raise NotImplementedError
+
     def fit(self, model: nn.Module, batches, progress=None) -> None:
-        """Calibrate on token-id batches (activation scales, input covariance, output Fisher), then SVD every Linear."""
+        """Calibrate on token-id batches (activation scales, input covariance, output Fisher), then factorise every Linear."""
         linears = decoder_linears(model)
         if not linears:
             raise ValueError("model has no nn.Linear inside decoder layers ('.layers.' in the module name)")
@@ -142,11 +146,9 @@ class ASVD:
         try:
             for name, module in linears.items():
                 calibration = stats.pop(name)  # free each covariance once used
-                scale = calibration.mean_abs().clamp_min(1e-6).pow(self.alpha).float()
-                weight = module.weight.detach().float().cpu()
-                u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
-                self.factors[name] = (u, sigma, vt, scale)
-                self.curves[name] = loss_curve(u, sigma, vt, scale, calibration.covariance(), calibration.fisher())
+                u, sigma, m = self.factorise(module.weight.detach().float().cpu(), calibration)
+                self.factors[name] = (u, sigma, m)
+                self.curves[name] = loss_curve(u, sigma, m, calibration.covariance(), calibration.fisher())
                 self.shapes[name] = (module.in_features, module.out_features)
                 if progress is not None:
                     progress.update(1)
@@ -199,14 +201,31 @@ class ASVD:
                 ranks[name] = rank
         biases = {name: model.get_submodule(name).bias for name in ranks}
         for name, module in install(model, ranks).items():
-            u, sigma, vt, scale = self.factors[name]
+            u, sigma, m = self.factors[name]
             r = module.rank
             root = sigma[:r].sqrt()
             dtype = module.down.weight.dtype
-            module.down.weight.copy_((root[:, None] * vt[:r] / scale[None, :]).to(dtype))
+            module.down.weight.copy_((root[:, None] * m[:r]).to(dtype))
             module.up.weight.copy_((u[:, :r] * root[None, :]).to(dtype))
             if biases[name] is not None:
                 module.up.bias.copy_(biases[name])
+
+
+class ASVD(LowRank):
+    """Activation-aware SVD: S = diag(mean |x| ** alpha) (see the module docstring)."""
+
+    method = "asvd"
+
+    def __init__(self, alpha: float = 0.5):
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        super().__init__()
+        self.alpha = alpha
+
+    def factorise(self, weight, calibration):
+        scale = calibration.mean_abs().clamp_min(1e-6).pow(self.alpha).float()
+        u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
+        return u, sigma, vt / scale[None, :]
 
 
 class _Calibration:
@@ -246,16 +265,15 @@ class _Calibration:
         return self.grad_sq / self.count
 
 
-def loss_curve(u, sigma, vt, scale, covariance, fisher) -> torch.Tensor:
-    """Predicted increase of the mean per-token loss at every rank 0..k of the factorisation W S = U diag(sigma) V^T.
+def loss_curve(u, sigma, m, covariance, fisher) -> torch.Tensor:
+    """Predicted increase of the mean per-token loss at every rank 0..k of W = U diag(sigma) M (M = V^T S^-1).
 
-    Dropping components j >= r changes the output by dy = sum_j u_j sigma_j (v_j^T S^-1 x); to second
+    Dropping components j >= r changes the output by dy = sum_j u_j sigma_j (m_j^T x); to second
     order the loss rises by E[dy^T diag(F) dy] / 2 with F the output's Fisher diagonal. With C = E[x x^T]
-    that is half the sum of G[r:, r:], G_jk = sigma_j sigma_k (u_j^T diag(F) u_k)(m_j^T C m_k), m = S^-1 v.
+    that is half the sum of G[r:, r:], G_jk = sigma_j sigma_k (u_j^T diag(F) u_k)(m_j^T C m_k).
     This is what makes errors of different layers comparable (ASVD measures perplexity per layer instead).
     """
-    m = (vt.double() / scale.double()[None, :])
-    u = u.double()
+    m, u = m.double(), u.double()
     gram = (sigma.double()[:, None] * sigma.double()[None, :]) * ((u * fisher[:, None]).T @ u) * (m @ covariance @ m.T)
     per_component = 2 * gram.triu().sum(1) - gram.diagonal()  # row j's share of the sum over the dropped block
     dropped = per_component.flip(0).cumsum(0).flip(0)  # dropped[r] = sum over G[r:, r:]

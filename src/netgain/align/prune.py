@@ -11,8 +11,8 @@ it owns (gradients of the LM loss on calibration text, LLM-Pruner's "element" sa
 Sizes follow a parameter ratio over the decoder Linears either uniformly (the same kept fraction in
 every unit of a layer range) or by global ranking (lowest salience per parameter goes first).
 Pruned Linears are physically smaller `PrunedLinear`s that `netgain.align.load` rebuilds from the
-manifest. GAC re-selects the MLP widths (`select`), valuing a width by the salience it prunes away;
-head counts are multiples of head_dim already.
+manifest. GAC re-selects the MLP widths (`Pruner.resizable`), valuing a width by the salience it
+prunes away; head counts are multiples of head_dim already.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from . import gac
 from .calibrate import loss_backward
+from .compressor import Compressor
 from .lowrank import decoder_linears
-from .units import Unit, check_propose, proposed_sizes
+from .units import Unit, check_propose
 
 IMPORTANCE = ("taylor", "magnitude")
 SCOPES = ("uniform", "global")
@@ -137,8 +137,10 @@ def _slice(linear: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tens
     return new
 
 
-class Pruner:
-    """Structured pruner (see the module docstring); implements `units.Compressor`."""
+class Pruner(Compressor):
+    """Structured pruner (see the module docstring); GAC re-sizes its MLP widths (`resizable`)."""
+
+    method = "prune"
 
     def __init__(self, importance: str = "taylor", scope: str = "uniform", layers: range | None = None, heads: bool = True):
         if importance not in IMPORTANCE:
@@ -262,6 +264,10 @@ class Pruner:
         """Items of a unit from most to least salient (pruning at any size keeps a prefix of this)."""
         return self.ranking[name].indices
 
+    def resizable(self, units: Sequence[Unit]) -> list[Unit]:
+        """The MLP widths: head counts stay as proposed (multiples of head_dim, which pruning never changes)."""
+        return [u for u in units if isinstance(u, ChannelUnit)]
+
     @torch.no_grad()
     def apply(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
         """Prune the named blocks of `model` (the fitted one or a copy) to the given sizes, keeping the top-ranked items."""
@@ -291,21 +297,6 @@ class Pruner:
 def _expand(groups: torch.Tensor, width: int) -> torch.Tensor:
     """Channel indices of whole groups of `width` consecutive channels."""
     return (groups[:, None] * width + torch.arange(width)[None, :]).reshape(-1)
-
-
-def select(units: Sequence[Unit], cost, tokens: int, **options) -> dict[str, int]:
-    """GAC for a pruner: MLP widths re-selected by `gac.select` within their own proposed parameter count;
-    head counts stay as proposed (multiples of head_dim, which pruning never changes)."""
-    sizes = proposed_sizes(units)
-    sizes.update(gac.select([u for u in units if isinstance(u, ChannelUnit)], cost, tokens, **options))
-    return sizes
-
-
-def round_sizes(units: Sequence[Unit], multiple: int = 8, mode: str = "nearest") -> dict[str, int]:
-    """The naive baseline (LLM-Pruner / Torch-Pruning round_to) on the MLP widths."""
-    sizes = proposed_sizes(units)
-    sizes.update(gac.round_sizes([u for u in units if isinstance(u, ChannelUnit)], multiple, mode))
-    return sizes
 
 
 def parse_layers(text: str | None) -> range | None:

@@ -10,7 +10,7 @@ which GEMMs it runs; they never look inside the compressor. By convention ``size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -40,16 +40,6 @@ class Unit:
         if self.error:
             return self.error[self.proposed] - self.error[size]
         return self.score * (self.params(size) - self.params(self.proposed))
-
-
-class Compressor(Protocol):
-    """A post-training compressor GAC can wrap: calibrate, propose sized units, rebuild at any sizes."""
-
-    def fit(self, model, batches, progress=None) -> None: ...
-
-    def propose(self, param_ratio: float) -> list[Unit]: ...
-
-    def apply(self, model, sizes: Mapping[str, int]) -> None: ...
 
 
 def check_propose(fitted: bool, param_ratio: float) -> None:

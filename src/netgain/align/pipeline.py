@@ -1,0 +1,106 @@
+"""`compress(model, calib, config)`: the whole GAC pipeline behind one verb, in the style of torchao's quantize_.
+
+compressor.fit -> propose (per-unit sizes under the parameter ratio) -> the naive rounding baselines
+and GAC's aligned re-selection under the same budget -> rebuild the model at the chosen variant's
+sizes. The returned `Compression` keeps every variant's sizes and the fitted compressor, so other
+variants can be built from the same dense model without calibrating again (the CLI's comparison).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from . import store
+from .compressor import Compressor
+from .config import AlignConfig
+from .units import Unit, aligned_fraction, full_sizes, proposed_sizes, total_params
+
+
+@dataclass
+class Compression:
+    """What `compress` did: the fitted compressor, its units, and every variant's unit sizes."""
+
+    config: AlignConfig
+    compressor: Compressor
+    units: list[Unit]
+    sizes: dict[str, dict[str, int]]  # "dense", "raw", "round-nearest", "round-down", "gac" -> unit name -> size
+    cost: object  # the cost model GAC used
+
+    @property
+    def budget(self) -> int:
+        """Parameters of the compressible units at the raw compressor's sizes (GAC and round-down stay within)."""
+        return total_params(self.units, self.sizes["raw"])
+
+    @property
+    def dense_params(self) -> int:
+        return total_params(self.units, self.sizes["dense"])
+
+    def build(self, model: nn.Module, variant: str) -> nn.Module:
+        """A copy of the dense, uncompressed `model` at a variant's sizes (the embeddings are shared, not copied)."""
+        if variant not in self.sizes:
+            raise ValueError(f"variant must be one of {', '.join(self.sizes)}, got {variant!r}")
+        candidate = copy_model(model)
+        self.compressor.apply(candidate, self.sizes[variant])
+        return candidate
+
+    def variants(self, model: nn.Module, names, built: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, int]]]:
+        """(model, sizes) per variant name: "dense" is `model` itself, those in `built` are reused, the rest built."""
+        models = {n: model if n == "dense" else built[n] if n in built else self.build(model, n) for n in names}
+        return {n: (models[n], self.sizes[n]) for n in names}
+
+    def save(self, model: nn.Module, out_dir: str | Path, tokenizer=None, variant: str | None = None) -> Path:
+        """`netgain.align.save` with this run's method, variant, ratio and sizes in the manifest."""
+        variant = variant or self.config.variant
+        return store.save(model, out_dir, tokenizer, method=self.compressor.method, variant=variant,
+                          param_ratio=self.config.param_ratio, sizes=self.sizes[variant])
+
+    def summary(self) -> dict:
+        """Per variant: parameters of the units, their ratio to the budget, and the share aligned to `multiple`."""
+        multiple = self.config.multiple
+        return {
+            v: {"unit_params": total_params(self.units, s), "vs_budget": total_params(self.units, s) / self.budget,
+                f"aligned_{multiple}": aligned_fraction(self.units, s, multiple)}
+            for v, s in self.sizes.items()
+        }
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy that shares the input embedding (and a tied LM head) with `model`: compressors never change it."""
+    embedding = model.get_input_embeddings().weight
+    return copy.deepcopy(model, memo={id(embedding): embedding})
+
+
+def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, inplace: bool = True,
+             progress: bool = False) -> tuple[nn.Module, Compression]:
+    """Compress a HF causal LM with `config`'s compressor and sizes; returns (compressed model, Compression).
+
+    calib: token-id batches, each (batch, seq) (`evaluate.token_chunks`). The model is changed in place,
+    like torchao's quantize_, unless inplace=False: then it stays dense and a copy is compressed.
+    progress: tqdm bars on stderr for the calibration and GAC's candidate costing.
+    """
+    config = config or AlignConfig()
+    if not isinstance(config, AlignConfig):
+        raise ValueError(f"config must be an AlignConfig, got {type(config).__name__}")
+    from tqdm import tqdm
+
+    compressor = config.compressor.build()
+    with tqdm(desc=f"calibrate ({compressor.method})", unit="step", disable=not progress) as bar:
+        compressor.fit(model, calib, progress=bar)
+    units = compressor.propose(config.param_ratio)
+    cost = config.cost_model(str(next(model.parameters()).dtype).removeprefix("torch."))
+    sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
+    for mode in ("nearest", "down"):
+        sizes[f"round-{mode}"] = compressor.round_sizes(units, config.multiple, mode)
+    with tqdm(total=len(units), desc=f"GAC candidates ({cost.name})", unit="unit", disable=not progress) as bar:
+        sizes["gac"] = compressor.select(units, cost, config.tokens, multiple=config.multiple, steps=config.steps,
+                                         tolerance=config.tolerance, progress=bar)
+    if hasattr(cost, "save"):  # a measured kernel table: keep what was timed for the next run
+        cost.save()
+    result = Compression(config, compressor, units, sizes, cost)
+    target = model if inplace else copy_model(model)
+    compressor.apply(target, sizes[config.variant])
+    return target, result
