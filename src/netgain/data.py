@@ -65,6 +65,14 @@ class ByteCorpus:
             train, validation = text[:cut], text[cut:]
         return cls(_bytes_tensor(train), _bytes_tensor(validation))
 
+    def require_sequences(self, world_size: int, seq_len: int, what: str) -> None:
+        """Every rank's shard of the train text and the validation text hold one sequence at least."""
+        if not len(self.train) + len(self.validation):
+            raise ValueError(f"{what} holds no text (0 bytes)")
+        start, stop = shard(len(self.train), 0, world_size)
+        _require_length(stop - start, seq_len, f"{what}: a rank's shard of the training text ({world_size} ranks)")
+        _require_length(len(self.validation), seq_len, f"{what}: the validation text")
+
     def train_batch(self, seed: int, step: int, rank: int, world_size: int, batch_size: int,
                     seq_len: int) -> torch.Tensor:
         """`batch_size` random windows of `seq_len` bytes from this rank's shard of the train stream."""
@@ -120,7 +128,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 def _require_length(length: int, seq_len: int, what: str) -> None:
     if length < seq_len:
         raise ValueError(f"{what} has {length} bytes, fewer than one sequence of {seq_len}; "
-                         "give --data more text or use fewer workers")
+                         "give --data more text, fewer workers or a shorter --seq-len")
 
 
 def _windows(stream: torch.Tensor, offsets: np.ndarray, seq_len: int) -> torch.Tensor:

@@ -15,11 +15,7 @@ def byte_llama(hidden_size: int, num_layers: int, max_seq_len: int) -> nn.Module
 
     The Llama family is used so the same models flow into the GAC compression half later.
     """
-    if hidden_size % HEAD_DIM or hidden_size < 2 * HEAD_DIM:
-        raise ValueError(f"--hidden-size must be a multiple of {HEAD_DIM} and at least "
-                         f"{2 * HEAD_DIM}, got {hidden_size}")
-    if num_layers < 1:
-        raise ValueError(f"--layers must be at least 1, got {num_layers}")
+    check_byte_llama(hidden_size, num_layers)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -35,6 +31,15 @@ def byte_llama(hidden_size: int, num_layers: int, max_seq_len: int) -> nn.Module
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def check_byte_llama(hidden_size: int, num_layers: int) -> None:
+    """The shapes byte_llama can build (heads of HEAD_DIM, at least two), named as `netgain train` flags."""
+    if hidden_size % HEAD_DIM or hidden_size < 2 * HEAD_DIM:
+        raise ValueError(f"--hidden-size must be a multiple of {HEAD_DIM} and at least "
+                         f"{2 * HEAD_DIM}, got {hidden_size}")
+    if num_layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {num_layers}")
 
 
 def digits_mlp(hidden: int = 128) -> nn.Module:

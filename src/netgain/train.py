@@ -10,12 +10,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import pickle
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +44,16 @@ CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
 VALIDATION_BATCH_SIZE = 8
 FINAL_TRAIN_LOSS_WINDOW = 10  # final train loss = mean over the last 10 steps (one step is noise)
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead peer ends the job instead of hanging it
+COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
+SILENCE_NOTICE_S = 30  # a rank that makes no progress this long says so (at most half the collective timeout)
+LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
+WORKER_GRACE_S = 2  # after a worker fails or a signal, the others get this long to exit before SIGKILL
+CHECKPOINT_KEYS = {"step", "world_size", "config", "model", "optimizer", "comm"}
+# On --resume: these settings are taken from this run and announced; any other difference in
+# RESUME_FIXED is refused by name (the model, the data stream or the codec state would not match).
+RESUME_APPLIED = ("lr", "batch_size", "data")
+RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "powersgd_rank",
+                "comm_budget_ms", "replan_every", "hidden_size", "layers", "seq_len")
 
 
 @dataclass(frozen=True)
@@ -67,82 +82,239 @@ class TrainConfig:
     hidden_size: int
     layers: int
     seq_len: int
+    collective_timeout: float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    bits = comm.codecs.BITS_RANGE
     parser.add_argument("--task", choices=TASKS, default="lm",
                         help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
     parser.add_argument("--codec", choices=CODEC_CHOICES, default="none",
                         help="netgain codec; kimad/kimad+ adapt to the measured bandwidth; "
                         "ddp, ddp-fp16, ddp-powersgd are PyTorch's own hooks, for comparison")
-    parser.add_argument("--bits", type=int, default=8, help="quantisation bits (qsgd, gqsgd, gqsgd-exp)")
-    parser.add_argument("--encoding", choices=comm.codecs.ENCODINGS, default="packed", help="gqsgd wire encoding")
-    parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent (topk, randomk)")
+    parser.add_argument("--bits", type=int, default=8,
+                        help=f"quantisation bits, {bits.start}..{bits.stop - 1} (qsgd, gqsgd, gqsgd-exp)")
+    parser.add_argument("--encoding", choices=comm.codecs.ENCODINGS, default="packed",
+                        help="gqsgd wire encoding (int8: --bits 8 only)")
+    parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent, in (0, 1] (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
     parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
-    parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix approximation rank (ddp-powersgd)")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix approximation rank, >= 1 (ddp-powersgd)")
     parser.add_argument("--comm-budget-ms", type=float,
-                        help="kimad: communication time target per step (default: the measured backward time)")
+                        help="kimad: communication time target per step, > 0 (default: the measured backward time)")
     parser.add_argument("--replan-every", type=int, default=10,
-                        help="kimad: re-plan every N steps (and whenever the bandwidth moves by more than 20%%)")
+                        help="kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps, counted from 0 also when resuming")
     parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="AdamW learning rate (constant; on --resume it replaces the checkpoint's)")
     parser.add_argument("--world-size", type=int, default=2,
-                        help="local CPU workers to spawn on gloo (under torchrun its WORLD_SIZE applies)")
+                        help=f"local CPU workers to spawn on gloo, at most {LOCAL_WORKERS_PER_CPU} per CPU "
+                        "(under torchrun its WORLD_SIZE applies)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
-    parser.add_argument("--out", help="output folder for record.json and loss.png (default runs/<codec>-<time>)")
+    parser.add_argument("--out", help="output folder for record.json and loss.png "
+                        "(default runs/<codec>-<time>, with a suffix if that folder exists)")
     parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
                         "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint")
+    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint (--lr, --batch-size "
+                        "and --data may differ, and are announced; other settings must match)")
     parser.add_argument("--hidden-size", type=int, default=192, help="lm model width")
     parser.add_argument("--layers", type=int, default=4, help="lm decoder layers")
     parser.add_argument("--seq-len", type=int, default=128, help="lm sequence length in bytes")
+    parser.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                        help=f"seconds a rank waits for a silent peer before the run fails (default "
+                        f"{COLLECTIVE_TIMEOUT_S}); a rank without progress says so after "
+                        f"{SILENCE_NOTICE_S} s (or half this timeout)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
+    if _is_rank_zero():
+        config = prepare_outputs(config)
+        for name, (old, new) in resume_changes(config).items():
+            print(f"netgain train: --resume: {_flag(name)} {new} replaces the checkpoint's {old}", file=sys.stderr)
     if launched_by_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
-        train_worker(int(os.environ["RANK"]), world_size, replace(config, world_size=world_size), "env://")
+        train_worker(int(os.environ["RANK"]), config.world_size, config, "env://")
         return 0
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    try:
-        torch.multiprocessing.spawn(train_worker, args=(config.world_size, config, init_method, True),
-                                    nprocs=config.world_size, join=True)
-    except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
-        print(f"netgain train: a worker failed\n{error}", file=sys.stderr)
-        return 1
-    return 0
+    return spawn_workers(config)
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """Fill the task's default batch size and reject bad values before any worker starts."""
+    """The run's settings, every one checked here in the parent, before any worker starts."""
+    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
-    for name, value in (("steps", args.steps), ("batch-size", batch_size), ("world-size", args.world_size),
-                        ("seq-len", args.seq_len)):
-        if value < 1:
-            raise ValueError(f"--{name} must be at least 1, got {value}")
-    if args.lr <= 0:
-        raise ValueError(f"--lr must be positive, got {args.lr}")
-    if args.eval_every < 0:
-        raise ValueError(f"--eval-every must be 0 (only at the end) or positive, got {args.eval_every}")
-    if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint):
-        raise ValueError(f"--checkpoint-every must be >= 0 and needs --checkpoint, got {args.checkpoint_every}")
-    if args.data is not None and args.task != "lm":
+    config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
+                         ratio=args.ratio, warmup_steps=args.warmup_steps, skip_1d=args.skip_1d,
+                         powersgd_rank=args.powersgd_rank,
+                         comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
+                         batch_size=batch_size, lr=args.lr, world_size=world_size, seed=args.seed,
+                         data=args.data, eval_every=args.eval_every, out=args.out, checkpoint=args.checkpoint,
+                         checkpoint_every=args.checkpoint_every, resume=args.resume,
+                         hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
+                         collective_timeout=args.collective_timeout)
+    check_numbers(config)
+    if not launched_by_torchrun():
+        check_local_world_size(config.world_size)
+    check_data(config)
+    if config.resume:
+        check_resume(config)
+    return config
+
+
+def check_numbers(c: TrainConfig) -> None:
+    """Ranges of every numeric setting, named as on the command line."""
+    for name in ("steps", "batch_size", "world_size", "seq_len", "powersgd_rank", "replan_every"):
+        _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
+    for name in ("warmup_steps", "eval_every"):
+        _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
+    _require(math.isfinite(c.lr) and c.lr > 0, "lr", "must be a finite number > 0", c.lr)
+    _require(math.isfinite(c.collective_timeout) and c.collective_timeout > 0, "collective_timeout",
+             "must be a finite number of seconds > 0", c.collective_timeout)
+    _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
+             "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
+    _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
+    bits = comm.codecs.BITS_RANGE
+    _require(c.bits in bits, "bits", f"must be in {bits.start}..{bits.stop - 1}", c.bits)
+    _require(not (c.codec == "gqsgd" and c.encoding == "int8" and c.bits != 8), "bits",
+             "must be 8 with --encoding int8 (or use --encoding packed)", c.bits)
+    _require(c.checkpoint_every == 0 or (c.checkpoint_every > 0 and c.checkpoint), "checkpoint_every",
+             "must be 0 or more, and more than 0 needs --checkpoint", c.checkpoint_every)
+    if c.task == "lm":
+        models.check_byte_llama(c.hidden_size, c.layers)
+
+
+def check_local_world_size(world_size: int) -> None:
+    """More local workers than this only time-slice the cores: 64 on 2 cores sat silent for minutes."""
+    cpus = os.cpu_count() or 1
+    limit = LOCAL_WORKERS_PER_CPU * cpus
+    if world_size > limit:
+        raise ValueError(f"--world-size {world_size}: at most {limit} local workers on this machine's {cpus} "
+                         f"CPUs ({LOCAL_WORKERS_PER_CPU} per CPU; more spend minutes starting and time-slicing "
+                         "the cores); for more ranks, launch under torchrun on more machines")
+
+
+def check_data(c: TrainConfig) -> None:
+    """--data must exist and hold a sequence per rank and for validation (the stdlib source does)."""
+    if c.data is None:
+        return
+    if c.task != "lm":
         raise ValueError("--data applies to --task lm only")
-    out = args.out or str(Path("runs") / f"{args.codec}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
-                       ratio=args.ratio, warmup_steps=args.warmup_steps, skip_1d=args.skip_1d,
-                       powersgd_rank=args.powersgd_rank,
-                       comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
-                       batch_size=batch_size, lr=args.lr, world_size=args.world_size, seed=args.seed,
-                       data=args.data, eval_every=args.eval_every, out=out, checkpoint=args.checkpoint,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len)
+    corpus = data.ByteCorpus.from_files(data.text_files(c.data))
+    corpus.require_sequences(c.world_size, c.seq_len, f"--data {c.data}")
+
+
+def check_resume(c: TrainConfig) -> None:
+    """Refuse by name every setting that differs from the checkpoint and cannot be applied."""
+    checkpoint = read_checkpoint(c.resume)
+    saved = checkpoint["config"]
+    if checkpoint["world_size"] != c.world_size:
+        raise ValueError(f"--resume {c.resume} was written by {checkpoint['world_size']} workers, "
+                         f"this run has {c.world_size}: the codec state is per worker")
+    differ = [name for name in RESUME_FIXED if name in saved and saved[name] != getattr(c, name)]
+    if differ:
+        theirs = " ".join(f"{_flag(name)} {saved[name]}" for name in differ)
+        ours = " ".join(f"{_flag(name)} {getattr(c, name)}" for name in differ)
+        raise ValueError(f"--resume {c.resume} was trained with {theirs}; this run has {ours}: "
+                         "a resumed run keeps these (repeat the checkpoint's, or start a new run)")
+    if checkpoint["step"] >= c.steps:
+        raise ValueError(f"--steps {c.steps} is not beyond the checkpoint's step {checkpoint['step']}")
+    for step in _checkpoint_steps(c, checkpoint["step"]):
+        if Path(c.checkpoint.replace("{step}", str(step))).resolve() == Path(c.resume).resolve():
+            raise ValueError(f"--checkpoint {c.checkpoint} would overwrite --resume {c.resume} at step {step}; "
+                             "write to a new path (a '{step}' in it helps)")
+
+
+def resume_changes(c: TrainConfig) -> dict[str, tuple]:
+    """The settings this resumed run takes over from the command line: name -> (checkpoint's, this run's)."""
+    if not c.resume:
+        return {}
+    saved = read_checkpoint(c.resume)["config"]
+    return {name: (saved.get(name), getattr(c, name)) for name in RESUME_APPLIED
+            if saved.get(name) != getattr(c, name)}
+
+
+def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict:
+    """torch.load with weights_only=True: a checkpoint is data, and an unrestricted pickle runs code.
+
+    mmap: the parent's checks read the config without reading every tensor.
+    """
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except OSError as error:
+        raise ValueError(f"--resume {path}: {error.strerror or error}") from error
+    except pickle.UnpicklingError as error:
+        reason = next((line for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                      str(error).splitlines()[0])
+        raise ValueError(f"--resume {path}: refused, it holds more than tensors and plain data "
+                         f"(netgain loads checkpoints with weights_only=True, so they cannot run code): {reason}") from error
+    except Exception as error:  # torch.load raises KeyError, RuntimeError... on files that are no checkpoint
+        raise ValueError(f"--resume {path} is not a torch checkpoint ({type(error).__name__}: {error})") from error
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        raise ValueError(f"--resume {path} is not a netgain train checkpoint (it needs the keys "
+                         f"{', '.join(sorted(CHECKPOINT_KEYS))})")
+    return checkpoint
+
+
+def prepare_outputs(c: TrainConfig) -> TrainConfig:
+    """Make --out (or a fresh default folder) and check that it and --checkpoint's folder take files."""
+    out = Path(c.out) if c.out else _new_run_folder(c.codec)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot create it ({error.strerror or error})") from error
+    _require_writable(out, "--out")
+    if c.checkpoint:
+        folder = Path(c.checkpoint.replace("{step}", "0")).parent
+        while not folder.exists():
+            folder = folder.parent
+        _require_writable(folder, "--checkpoint")
+    return replace(c, out=str(out))
+
+
+def _new_run_folder(codec: str) -> Path:
+    """runs/<codec>-<time>, with -2, -3... if a run started in the same second already made it."""
+    base = Path("runs") / f"{codec}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("", *(f"-{n}" for n in range(2, 1000))):
+        try:
+            (path := base.with_name(base.name + suffix)).mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"--out: runs/ holds 999 runs named {base.name}; give --out")
+
+
+def _require_writable(folder: Path, flag: str) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{flag}: {folder} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot write to {folder} ({error.strerror or error})") from error
+
+
+def _checkpoint_steps(c: TrainConfig, start: int) -> list[int]:
+    if not c.checkpoint:
+        return []
+    every = [s for s in range(start + 1, c.steps) if c.checkpoint_every and s % c.checkpoint_every == 0]
+    return every + [c.steps]
+
+
+def _require(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{_flag(name)} {rule}, got {value}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0" or not launched_by_torchrun()
 
 
 def launched_by_torchrun() -> bool:
@@ -153,6 +325,65 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- local workers
+
+
+def spawn_workers(config: TrainConfig) -> int:
+    """Local gloo workers; a SIGINT or SIGTERM to this parent stops them too (else they trained on)."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    print(f"netgain train: starting {config.world_size} local workers", file=sys.stderr)
+    received: list[int] = []
+    with _record_signals(received):
+        context = torch.multiprocessing.start_processes(
+            train_worker, args=(config.world_size, config, init_method, True), nprocs=config.world_size,
+            join=False, start_method="spawn")
+        try:
+            while not received:
+                if context.join(timeout=0.2, grace_period=WORKER_GRACE_S):
+                    return 0
+        except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
+            print(f"{error}\n{worker_failure(error, config)}", file=sys.stderr)
+            return 1
+        stop_workers(context.processes)
+    name = signal.Signals(received[0]).name
+    print(f"netgain train: {name}: stopped the {config.world_size} workers", file=sys.stderr)
+    return 128 + received[0]
+
+
+def worker_failure(error: Exception, config: TrainConfig) -> str:
+    """One closing line under the worker's traceback: which worker, and why."""
+    last = next((line for line in reversed(str(error).strip().splitlines()) if line.strip()), "")
+    line = f"netgain train: worker {error.error_index} failed: {last.strip()}"
+    if "Timed out" in last:
+        line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
+    return line
+
+
+@contextmanager
+def _record_signals(received: list[int]):
+    """SIGINT and SIGTERM append to `received` instead of raising, so no worker is left unreferenced."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_workers(processes) -> None:
+    """SIGTERM, then SIGKILL for any worker still alive after WORKER_GRACE_S (a stopped one, say)."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + WORKER_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 # ---------------------------------------------------------------- tasks
@@ -222,31 +453,68 @@ TASK_CLASSES = {"lm": LanguageModelTask, "digits": DigitsTask}
 # ---------------------------------------------------------------- the worker
 
 
-def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: str,
-                 share_cores: bool = False) -> None:
+def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: str, local: bool = False) -> None:
     """One data-parallel rank: train, validate, checkpoint; rank 0 reports."""
-    cuda = torch.cuda.is_available() and not share_cores
+    if local:  # Ctrl-C reaches the whole process group: the parent alone handles it and stops the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cuda = torch.cuda.is_available() and not local
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if share_cores:  # local workers split the machine's cores instead of oversubscribing them
+    if local:  # local workers split the machine's cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    progress = SilenceNotice(rank, config.collective_timeout)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    trainer = Trainer(config, rank, world_size, device)
+                            world_size=world_size, timeout=timedelta(seconds=config.collective_timeout))
+    trainer = Trainer(config, rank, world_size, device, progress)
     try:
         trainer.train()
     finally:
         trainer.comm_state.close()  # buckets still queued on the communication thread finish first
     del trainer
     gc.collect()  # DDP objects in reference cycles die now, not at exit after their group is gone (SIGABRT)
+    progress.beat("finishing")
     dist.barrier()  # no rank tears its process group down while a peer still uses it
     dist.destroy_process_group()
+    progress.close()
+
+
+class SilenceNotice:
+    """Says on stderr when this rank has made no progress for a while: a silent peer, not a silent hang."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
+        self.after_s = min(SILENCE_NOTICE_S, timeout_s / 2)
+        self.mark = ("joining the other workers", time.monotonic())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="netgain-silence-notice", daemon=True)
+        self._thread.start()
+
+    def beat(self, doing: str) -> None:
+        self.mark = (doing, time.monotonic())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        told = None
+        while not self._stop.wait(self.after_s / 4):
+            doing, since = self.mark
+            silent = time.monotonic() - since
+            if silent >= self.after_s and told != (since, int(silent // self.after_s)):
+                told = (since, int(silent // self.after_s))
+                print(f"netgain train: rank {self.rank} has made no progress for {silent:.0f} s while {doing}: "
+                      f"a peer may be stuck or gone (the run fails after --collective-timeout "
+                      f"{self.timeout_s:g} s of waiting)", file=sys.stderr, flush=True)
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, device: torch.device,
+                 progress: SilenceNotice):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.progress = progress
+        progress.beat("building the model and codec")
         self.task = TASK_CLASSES[config.task](config)
         torch.manual_seed(config.seed)  # identical initialisation on every rank
         model = self.task.build_model().to(device)
@@ -261,8 +529,6 @@ class Trainer:
                                             comm_budget_ms=config.comm_budget_ms, replan_every=config.replan_every)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
-        if self.start_step >= config.steps:
-            raise ValueError(f"--steps {config.steps} is not beyond the checkpoint's step {self.start_step}")
 
     def train(self) -> None:
         c = self.config
@@ -271,6 +537,7 @@ class Trainer:
         samples_per_step = c.batch_size * self.world_size
         bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
         for step in bar:
+            self.progress.beat(f"in step {step}")
             start = time.perf_counter()
             loss = self.task.train_loss(self.ddp, step, self.rank, self.world_size, self.device)
             self.optimizer.zero_grad(set_to_none=True)
@@ -295,9 +562,12 @@ class Trainer:
         validations.append({"step": c.steps, **self.evaluate()})
         history["train_loss"] = self.mean_over_ranks(history["train_loss"])
         if self.rank == 0:
-            report(c, self.world_size, history, validations, self.device, self.ddp.module)
+            resumed = ({"checkpoint": c.resume, "step": self.start_step, "applied": resume_changes(c)}
+                       if c.resume else None)
+            report(c, self.world_size, history, validations, self.device, self.ddp.module, resumed)
 
     def evaluate(self) -> dict:
+        self.progress.beat("validating")
         self.ddp.module.eval()
         metrics = self.task.evaluate(self.ddp.module, self.rank, self.world_size, self.device)
         self.ddp.module.train()
@@ -323,15 +593,12 @@ class Trainer:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> int:
-        checkpoint = torch.load(path, map_location=self.device, weights_only=False)
-        if checkpoint["world_size"] != self.world_size:
-            raise ValueError(f"--resume {path} was written by {checkpoint['world_size']} workers, "
-                             f"this run has {self.world_size}: the codec state is per worker")
-        if checkpoint["config"]["task"] != self.config.task:
-            raise ValueError(f"--resume {path} is a {checkpoint['config']['task']} checkpoint, "
-                             f"this run is --task {self.config.task}")
+        """build_config has checked the checkpoint against this run; --lr replaces the saved rate."""
+        checkpoint = read_checkpoint(path, map_location=self.device)
         self.ddp.module.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
         self.comm_state.load_state_dict(checkpoint["comm"][self.rank])
         return checkpoint["step"]
 
@@ -356,12 +623,11 @@ def _progress(steps: range, enabled: bool):
 
 
 def report(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
-           device: torch.device, model: nn.Module) -> None:
-    """Summary table on stdout, record.json and loss.png under --out."""
+           device: torch.device, model: nn.Module, resumed: dict | None) -> None:
+    """Summary table on stdout, record.json and loss.png under --out (made by prepare_outputs)."""
     summary = summarize(config, world_size, history, validations, model)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"config": asdict(config), "summary": summary, "per_step": history,
+    record = {"config": asdict(config), "resumed": resumed, "summary": summary, "per_step": history,
               "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
     (out / "record.json").write_text(json.dumps(record, indent=1))
     plot_losses(history, validations, out / "loss.png", f"{config.task}, codec {config.codec}")

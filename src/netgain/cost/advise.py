@@ -31,6 +31,9 @@ CANDIDATES = (
     ("randomk", {"ratio": 0.01}),
 )
 GPU_CHOICES = (*net.GPUS, "cpu")
+DEFAULT_LINK = "25gbe"
+DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb, with a first bucket of DDP_FIRST_BUCKET_MB
+DDP_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,14 +88,18 @@ def _safetensors_sizes(path: Path) -> list[int]:
 
 def resolve_link(args) -> tuple[net.Link, str]:
     """The fabric from --link or --bandwidth/--latency, and the device usually attached to it."""
+    if args.bandwidth and args.link:
+        raise ValueError(f"--link {args.link} and --bandwidth {args.bandwidth} both name the link: give one "
+                         "(--bandwidth, with --latency, describes a link that is not a preset)")
     if args.bandwidth:
         latency = net.parse_duration(args.latency) if args.latency else 30e-6
         return net.Link("custom", net.parse_bandwidth(args.bandwidth), latency,
                         f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
-    link = net.preset(args.link)
+    name = args.link or DEFAULT_LINK
+    link = net.preset(name)
     if args.latency:
         link = net.Link(link.name, link.bandwidth, net.parse_duration(args.latency), link.note)
-    return link, net.preset_device(args.link)
+    return link, net.preset_device(name)
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
@@ -148,8 +155,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     size.add_argument("--model", help="a Hugging Face model folder (config.json and/or *.safetensors)")
     parser.add_argument("--workers", type=int, required=True, help="data-parallel world size")
-    parser.add_argument("--link", choices=tuple(net.PRESETS), default="25gbe",
-                        help="fabric preset (default 25gbe); see netgain.cost.network.PRESETS")
+    parser.add_argument("--link", choices=tuple(net.PRESETS),
+                        help=f"fabric preset (default {DEFAULT_LINK}); see netgain.cost.network.PRESETS")
     parser.add_argument("--bandwidth", help="custom link instead of --link: payload rate per rank "
                         "and direction (headers already taken off), e.g. 40gbit or 5GB/s")
     parser.add_argument("--latency", help="per-message latency, e.g. 30us (default: the preset's, "
@@ -162,14 +169,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="encode/decode cost: memory = fused GPU kernels bound by HBM traffic, "
                         "calibrate = timed on this machine, free = zero (default: memory on a GPU, "
                         "calibrate on cpu)")
-    parser.add_argument("--compute-ms", type=float, help="forward+backward ms per step and rank "
+    parser.add_argument("--compute-ms", type=float, help="forward+backward ms per step and rank, > 0 "
                         "(default: 6 * params * tokens / (peak * mfu) on --gpu)")
     parser.add_argument("--tokens-per-step", type=float, default=16384,
-                        help="tokens per rank and step for the compute estimate (default 16384)")
+                        help="tokens per rank and step for the compute estimate, > 0 (default 16384)")
     parser.add_argument("--mfu", type=float, default=0.4,
-                        help="model FLOPs utilisation for the compute estimate (default 0.4)")
+                        help="model FLOPs utilisation for the compute estimate, in (0, 1] (default 0.4)")
     parser.add_argument("--bucket-mb", type=float,
-                        help="DDP bucket_cap_mb (default: DDP's 25, with its 1 MiB first bucket)")
+                        help="DDP bucket_cap_mb, > 0 (default: DDP's 25, with its 1 MiB first bucket)")
     parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="auto",
                         help="native allreduce algorithm: ring, tree, or auto = the faster per "
                         "message, as NCCL picks (default auto)")
@@ -177,32 +184,51 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="recommend only unbiased codecs (no top-k/random-k, no 16-bit casts)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
-                        "(default 0.05)")
+                        "(default 0.05, >= 0)")
+
+
+def check_args(args) -> None:
+    """Every number `netgain model` takes, named as on the command line, before any prediction."""
+    def require(ok: bool, flag: str, rule: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{flag} {rule}, got {value}")
+
+    require(args.workers >= 1, "--workers", "must be at least 1", args.workers)
+    if args.params is not None:
+        require(math.isfinite(args.params) and args.params >= 1, "--params", "must be a finite number >= 1",
+                args.params)
+    for flag, value in (("--bucket-mb", args.bucket_mb), ("--compute-ms", args.compute_ms)):
+        if value is not None:
+            require(math.isfinite(value) and value > 0, flag, "must be a finite number > 0", value)
+    require(math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0, "--tokens-per-step",
+            "must be a finite number > 0", args.tokens_per_step)
+    require(0 < args.mfu <= 1, "--mfu", "must be in (0, 1]", args.mfu)
+    require(math.isfinite(args.tolerance) and args.tolerance >= 0, "--tolerance", "must be a finite number >= 0",
+            args.tolerance)
 
 
 def run(args) -> int:
-    if args.workers < 1:
-        raise SystemExit(f"--workers: must be >= 1, got {args.workers}")
+    check_args(args)
     link, device = resolve_link(args)
     gpu = net.GPUS.get(args.gpu or device)
     cost_name = args.codec_cost or ("memory" if gpu else "calibrate")
     if cost_name == "memory" and gpu is None:
-        raise SystemExit("--codec-cost memory needs a GPU (--gpu a100|h100)")
+        raise ValueError("--codec-cost memory needs a GPU (--gpu a100|h100)")
     cost = gpu if cost_name == "memory" else cost_name
+    if args.compute_ms is None and gpu is None:
+        raise ValueError("on cpu (--gpu cpu, or a lab --link) give --compute-ms: there is no FLOP-rate estimate for CPUs")
 
     sizes = count_parameters(args.model) if args.model else None
     params = sum(sizes) if sizes else args.params
-    if not params or params < 1:
-        raise SystemExit(f"--params: must be >= 1, got {args.params}")
+    if params < 1:
+        raise ValueError(f"--model {args.model} has no parameters")
     # like DDP: the small first bucket only with the default cap
-    bucket_mb = args.bucket_mb or 25.0
-    first_mb = bucket_mb if args.bucket_mb else 1.0
+    bucket_mb = args.bucket_mb or DDP_BUCKET_MB
+    first_mb = bucket_mb if args.bucket_mb else DDP_FIRST_BUCKET_MB
     buckets = (net.ddp_buckets(sizes, bucket_mb, first_mb) if sizes
                else net.even_buckets(params, bucket_mb, first_mb))
     if args.compute_ms is not None:
         compute_s, compute_note = args.compute_ms / 1e3, "given"
-    elif gpu is None:
-        raise SystemExit("--gpu cpu: give --compute-ms (no FLOP-rate estimate for CPUs)")
     else:
         compute_s = net.estimate_compute_s(params, args.tokens_per_step, gpu, args.mfu)
         compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "

@@ -1,0 +1,338 @@
+"""Bad input to `netgain train` and `netgain model` ends in one clear message, in the parent, before
+any worker starts; signals and silent peers end a run instead of hanging it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from netgain import cli, train
+
+CPUS = os.cpu_count() or 1
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.configure(parser)
+    return parser.parse_args(argv)
+
+
+def config(*argv: str) -> train.TrainConfig:
+    return train.build_config(parse(*argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bits", "9"], "--bits must be in 2..8, got 9"),
+    (["--bits", "1"], "--bits must be in 2..8, got 1"),
+    (["--codec", "gqsgd", "--encoding", "int8", "--bits", "4"], "--bits must be 8 with --encoding int8"),
+    (["--ratio", "0"], "--ratio must be in (0, 1], got 0.0"),
+    (["--ratio", "1.5"], "--ratio must be in (0, 1], got 1.5"),
+    (["--ratio", "nan"], "--ratio must be in (0, 1], got nan"),
+    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--comm-budget-ms", "0"], "--comm-budget-ms must be a finite number > 0, got 0.0"),
+    (["--comm-budget-ms", "-5"], "--comm-budget-ms must be a finite number > 0, got -5.0"),
+    (["--replan-every", "0"], "--replan-every must be at least 1, got 0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be 0 or more, got -1"),
+    (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
+    (["--checkpoint-every", "2"], "more than 0 needs --checkpoint, got 2"),
+    (["--hidden-size", "100"], "--hidden-size must be a multiple of 32 and at least 64, got 100"),
+    (["--layers", "0"], "--layers must be at least 1, got 0"),
+    (["--collective-timeout", "0"], "--collective-timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--collective-timeout", "inf"], "--collective-timeout must be a finite number of seconds > 0, got inf"),
+    (["--world-size", str(4 * CPUS + 1)], f"at most {4 * CPUS} local workers on this machine's {CPUS} CPUs"),
+    (["--task", "digits", "--data", "corpus.txt"], "--data applies to --task lm only"),
+])
+def test_bad_number_is_named_with_its_range(argv, message):
+    with pytest.raises(ValueError) as error:
+        config(*argv)
+    assert message in str(error.value)
+
+
+def test_world_size_at_the_cap_is_accepted():
+    assert config("--world-size", str(4 * CPUS)).world_size == 4 * CPUS
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is neither a file nor a folder"),
+    ("", "holds no text (0 bytes)"),
+    ("too short", "a rank's shard of the training text (2 ranks) has 4 bytes, fewer than one sequence of 128"),
+])
+def test_bad_data_is_found_in_the_parent(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError) as error:
+        config("--data", str(path))
+    assert message in str(error.value)
+
+
+def test_empty_data_folder(tmp_path):
+    with pytest.raises(ValueError, match="holds no files"):
+        config("--data", str(tmp_path))
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def test_out_under_a_file_fails_before_training(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match=r"--out .*file/run: cannot create it \(Not a directory\)"):
+        train.prepare_outputs(config("--out", str(tmp_path / "file" / "run")))
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_checkpoint_under_a_file_fails_before_training(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="--checkpoint: .*file is not a folder"):
+        train.prepare_outputs(config("--out", str(tmp_path / "run"), "--checkpoint", str(tmp_path / "file" / "ck.pt")))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
+def test_read_only_out_fails_before_training(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="--out: cannot write to"):
+            train.prepare_outputs(config("--out", str(tmp_path)))
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
+    first, second = (train.prepare_outputs(config()).out for _ in range(2))
+    assert first == "runs/none-20260101-000000" and second == "runs/none-20260101-000000-2"
+    assert Path(first).is_dir() and Path(second).is_dir()
+
+
+# ------------------------------------------------------------------ resume
+
+
+def fake_checkpoint(path: Path, step: int = 4, world_size: int = 2, **settings) -> Path:
+    """What check_resume reads of a checkpoint: its config, step and world size."""
+    saved = asdict(config(*[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
+    torch.save({"step": step, "world_size": world_size, "config": saved, "model": {}, "optimizer": {},
+                "comm": []}, path)
+    return path
+
+
+class RunsCode:
+    """A pickle that runs code on load, as a crafted checkpoint would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"step": 1, "payload": RunsCode(marker)}, path)
+    with pytest.raises(ValueError, match="refused, it holds more than tensors and plain data.*weights_only=True"):
+        config("--resume", str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("write, message", [
+    (None, "No such file or directory"),
+    (lambda p: p.write_bytes(b"not a checkpoint"), "is not a torch checkpoint"),
+    (lambda p: torch.save({"model": {}}, p), "is not a netgain train checkpoint (it needs the keys comm, config"),
+])
+def test_resume_from_what_is_no_checkpoint(tmp_path, write, message):
+    path = tmp_path / "ck.pt"
+    if write:
+        write(path)
+    with pytest.raises(ValueError) as error:
+        config("--resume", str(path))
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "1"], "was trained with --seed 0; this run has --seed 1: a resumed run keeps these"),
+    (["--codec", "ddp"], "was trained with --codec topk; this run has --codec ddp"),
+    (["--skip-1d"], "was trained with --skip-1d False; this run has --skip-1d True"),
+    (["--ratio", "0.5"], "was trained with --ratio 0.1; this run has --ratio 0.5"),
+    (["--bits", "4"], "was trained with --bits 8; this run has --bits 4"),
+    (["--hidden-size", "64", "--layers", "2"],
+     "was trained with --hidden-size 192 --layers 4; this run has --hidden-size 64 --layers 2"),
+    (["--world-size", "1"], "was written by 2 workers, this run has 1: the codec state is per worker"),
+    (["--steps", "4"], "--steps 4 is not beyond the checkpoint's step 4"),
+])
+def test_resume_refuses_settings_it_cannot_apply_by_name(tmp_path, argv, message):
+    path = fake_checkpoint(tmp_path / "ck.pt", codec="topk", ratio=0.1)
+    with pytest.raises(ValueError) as error:
+        config("--resume", str(path), "--codec", "topk", "--ratio", "0.1", *argv)
+    assert message in str(error.value)
+
+
+def test_resume_does_not_overwrite_its_checkpoint(tmp_path):
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    with pytest.raises(ValueError, match="--checkpoint .*ck.pt would overwrite --resume .*ck.pt at step 300"):
+        config("--resume", str(path), "--checkpoint", str(path))
+    misnamed = fake_checkpoint(tmp_path / "ck-8.pt", step=4)
+    with pytest.raises(ValueError, match="would overwrite --resume .*ck-8.pt at step 8"):
+        config("--resume", str(misnamed), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8")
+    assert config("--resume", str(path), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8").checkpoint
+
+
+def test_resume_applies_lr_batch_size_and_data_and_names_them(tmp_path):
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    resumed = config("--resume", str(path), "--lr", "0.5", "--batch-size", "4")
+    assert train.resume_changes(resumed) == {"lr": (0.003, 0.5), "batch_size": (16, 4)}
+
+
+# ------------------------------------------------------------------ netgain model
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0, got 0.0"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be a finite number > 0, got -1.0"),
+    (["--tokens-per-step", "0"], "--tokens-per-step must be a finite number > 0, got 0.0"),
+    (["--mfu", "0"], "--mfu must be in (0, 1], got 0.0"),
+    (["--compute-ms", "0"], "--compute-ms must be a finite number > 0, got 0.0"),
+    (["--tolerance", "-0.1"], "--tolerance must be a finite number >= 0, got -0.1"),
+    (["--params", "inf"], "--params must be a finite number >= 1, got inf"),
+    (["--workers", "0"], "--workers must be at least 1, got 0"),
+    (["--link", "10gbe", "--bandwidth", "40gbit"], "--link 10gbe and --bandwidth 40gbit both name the link: give one"),
+    (["--bandwidth", "0gbit"], "bandwidth: must be > 0 bytes/s"),
+])
+def test_model_rejects_bad_numbers_by_name(capsys, argv, message):
+    base = {"--params": "7e9", "--workers": "8"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["model", *[item for pair in base.items() for item in pair]])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_default_link_still_applies():
+    from netgain.cost import advise
+
+    args = argparse.Namespace(link=None, bandwidth=None, latency=None)
+    link, device = advise.resolve_link(args)
+    assert (link.name, device) == (advise.DEFAULT_LINK, "a100")
+
+
+# ------------------------------------------------------------------ silent peers, signals
+
+
+def test_silence_notice_names_the_rank_what_it_waits_in_and_the_timeout(capsys):
+    notice = train.SilenceNotice(rank=1, timeout_s=0.4)
+    notice.beat("in step 3")
+    time.sleep(0.5)
+    notice.close()
+    err = capsys.readouterr().err
+    assert "rank 1 has made no progress for 0 s while in step 3: a peer may be stuck or gone" in err
+    assert "--collective-timeout 0.4 s" in err
+
+
+def test_silence_notice_is_quiet_while_progress_is_made(capsys):
+    notice = train.SilenceNotice(rank=0, timeout_s=0.4)
+    for step in range(10):
+        notice.beat(f"in step {step}")
+        time.sleep(0.05)
+    notice.close()
+    assert capsys.readouterr().err == ""
+
+
+class Train:
+    """`netgain train` in a subprocess, its stderr collected by a thread (tqdm writes no newlines)."""
+
+    def __init__(self, *argv: str):
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "netgain.cli", "train", *argv],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.chunks: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.chunks.extend(iter(lambda: self.proc.stderr.read(1), "")))
+        self.reader.start()
+
+    @property
+    def err(self) -> str:
+        return "".join(self.chunks)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.err:
+            assert self.proc.poll() is None, f"netgain train ended early:\n{self.err}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{self.err}"
+            time.sleep(0.05)
+
+    def workers(self) -> list[int]:
+        pid = self.proc.pid
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join()
+        return code
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_bad_argument_fails_in_the_parent_within_seconds():
+    start = time.monotonic()
+    run = Train("--lr", "inf")
+    assert run.finish(timeout=30) == 2
+    seconds = time.monotonic() - start
+    assert "netgain: error: train: --lr must be a finite number > 0, got inf" in run.err
+    assert "starting" not in run.err and "Traceback" not in run.err
+    assert seconds < 10, seconds
+
+
+@pytest.mark.parametrize("sig, training", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, sig, training):
+    """SIGINT once the workers train; SIGTERM while they start up."""
+    run = Train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--out", str(tmp_path))
+    if training:
+        run.wait_for("%|", timeout=60)
+    deadline = time.monotonic() + 30
+    while len(workers := run.workers()) < 2:
+        assert time.monotonic() < deadline, run.err
+        time.sleep(0.05)
+    run.proc.send_signal(sig)
+    assert run.finish(timeout=5) == 128 + sig
+    assert f"netgain train: {sig.name}: stopped the 2 workers" in run.err
+    deadline = time.monotonic() + 5
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(alive, workers))
+
+
+def test_frozen_peer_is_announced_and_ends_the_run(tmp_path):
+    run = Train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--collective-timeout", "2",
+                "--out", str(tmp_path))
+    run.wait_for("%|", timeout=60)
+    workers = run.workers()
+    os.kill(workers[1], signal.SIGSTOP)
+    start = time.monotonic()
+    assert run.finish(timeout=30) == 1
+    assert time.monotonic() - start < 15
+    assert "netgain train: rank 0 has made no progress for 1 s while in step" in run.err
+    assert "(a peer was silent for --collective-timeout 2 s)" in run.err
+    assert not any(map(alive, workers))
