@@ -50,6 +50,8 @@ def config(*argv: str) -> train.TrainConfig:
     (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be 0 or more, got -1"),
     (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
+    (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
+    (["--seed", str(2**32)], f"--seed must be in 0..4294967295, got {2**32}"),
     (["--checkpoint-every", "2"], "more than 0 needs --checkpoint, got 2"),
     (["--hidden-size", "100"], "--hidden-size must be a multiple of 32 and at least 64, got 100"),
     (["--layers", "0"], "--layers must be at least 1, got 0"),

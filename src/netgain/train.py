@@ -170,6 +170,7 @@ def check_numbers(c: TrainConfig) -> None:
         _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
     for name in ("warmup_steps", "eval_every"):
         _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
+    _require(0 <= c.seed < 2**32, "seed", f"must be in 0..{2**32 - 1}", c.seed)
     _require(math.isfinite(c.lr) and c.lr > 0, "lr", "must be a finite number > 0", c.lr)
     _require(math.isfinite(c.collective_timeout) and c.collective_timeout > 0, "collective_timeout",
              "must be a finite number of seconds > 0", c.collective_timeout)
@@ -202,7 +203,10 @@ def check_data(c: TrainConfig) -> None:
         return
     if c.task != "lm":
         raise ValueError("--data applies to --task lm only")
-    corpus = data.ByteCorpus.from_files(data.text_files(c.data))
+    try:
+        corpus = data.ByteCorpus.from_files(data.text_files(c.data))
+    except OSError as error:
+        raise ValueError(f"--data {c.data}: cannot read {error.filename} ({error.strerror})") from error
     corpus.require_sequences(c.world_size, c.seq_len, f"--data {c.data}")
 
 
