@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from netgain.align import gac, prune
+from netgain.align import prune
 from netgain.align.evaluate import interleaved_latency, predicted_latency
-from netgain.align.lowrank import LowRankUnit, install
+from netgain.align.lowrank import ASVD, LowRankUnit, install
 from netgain.align.prune import ChannelUnit, HeadUnit
 from netgain.align.units import aligned_fraction, total_params
 from netgain.cost.kernels import AnalyticCost
@@ -90,10 +90,11 @@ def main() -> int:
     config, units, sizes = load_record(Path(args.table), layers)
 
     cost = MeasuredCost(device, dtype, warmup=2, repeats=10 if device == "cuda" else 1, cache=out / "kernels.json")
-    sizing = {"ASVD": gac, "Pruner": prune}
+    # the CPU run's units carry the fitted compressors' error curves: GAC re-selects from them (no weights here)
+    compressors = {"ASVD": ASVD(), "Pruner": prune.Pruner(importance="magnitude")}
     t0 = time.perf_counter()
-    for method in ("ASVD", "Pruner"):
-        sizes[f"{method}+GAC(device)"] = (method, sizing[method].select(units[method], cost, args.select_seq, multiple=8, steps=4, tolerance=0.03))
+    for method, compressor in compressors.items():
+        sizes[f"{method}+GAC(device)"] = (method, compressor.select(units[method], cost, args.select_seq, multiple=8, steps=4, tolerance=0.03))
     profile_s = time.perf_counter() - t0
     cost.save()
 
@@ -102,8 +103,8 @@ def main() -> int:
     torch.manual_seed(0)
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
-    pruner = prune.Pruner(importance="magnitude")  # only a ranking is needed; values are random anyway
-    pruner.fit(base, [])
+    pruner = compressors["Pruner"]
+    pruner.fit(base, [])  # only a ranking is needed; values are random anyway
     models = {row: base if method is None else build(base, method, chosen, units[method], pruner) for row, (method, chosen) in sizes.items()}
     latency = {s: interleaved_latency(models, s, args.repeats, args.warmup) for s in seqs}
     h200 = AnalyticCost("h200")

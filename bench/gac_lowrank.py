@@ -1,6 +1,6 @@
 """GAC on low-rank (ASVD-style) compression, measured on this CPU and predicted for A100/H100.
 
-1. Gemma-3-270M at parameter ratio 0.85 through `netgain align` (calibrated on the Python docs'
+1. Gemma-3-270M at parameter ratio 0.85 through `netgain.align.compress` (calibrated on the Python docs'
    library reference, perplexity on the rest of the Python docs): dense / raw ASVD / rounding /
    GAC with measured CPU kernel costs; alignment, parameters, perplexity, prefill S=512 latency.
 2. Llama-3-8B-shaped decoder layers (random weights, latency only): measured CPU prefill for dense,
@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gac_models import gemma_270m, llama3_8b_shaped, python_docs_split  # noqa: E402
+from gac_models import llama3_8b_shaped  # noqa: E402
 
-from netgain.align import cli as align_cli  # noqa: E402
-from netgain.align import evaluate, gac  # noqa: E402
-from netgain.align.lowrank import LowRankUnit, decoder_linears, install, rank_for_ratio  # noqa: E402
+from netgain.align import AlignConfig, ASVDConfig, MeasuredCost, compress, evaluate, report  # noqa: E402
+from netgain.align.defaults import packaged_gemma, python_docs  # noqa: E402
+from netgain.align.lowrank import ASVD, LowRankUnit, decoder_linears, install, rank_for_ratio  # noqa: E402
 from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
 from netgain.cost.kernels import AnalyticCost  # noqa: E402
-from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
+from netgain.cost.profile import cpu_name  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,28 +42,26 @@ RESULTS = ROOT / "bench" / "results"
 RUNS = ROOT / "runs"
 PAPER_MS = {"dense": 99.6, "raw": 100.5, "gac": 67.1}  # Llama-3-8B, A100, S=1024 (papers/gac.md)
 SYNTHETIC_RATIOS = (0.75, 0.8, 0.85, 0.9, 0.95)
+VARIANTS = ("dense", "raw", "round-nearest", "round-down", "gac")
 
 
 def gemma_section(repeats: int) -> tuple[str, dict]:
-    model_dir = gemma_270m(RUNS / "gemma3-270m")
-    text_dir = RUNS / "gac_text"
-    text_dir.mkdir(parents=True, exist_ok=True)
-    for split in ("calib", "eval"):
-        path = text_dir / f"{split}.txt"
-        if not path.exists():
-            path.write_text("\n\n".join(f.read_text(errors="replace") for f in python_docs_split(split)))
-    out = RUNS / "gac_gemma"
-    kernels = out / "kernels.json"  # measured in this run, not reused from an earlier one
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = packaged_gemma()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    calib = evaluate.token_chunks(tokenizer, python_docs("calib"), 256, 8)
+    held_out = evaluate.token_chunks(tokenizer, python_docs("eval"), 512, 4)
+    kernels = RUNS / "gac_gemma_kernels.json"  # measured in this run, not reused from an earlier one
     kernels.unlink(missing_ok=True)
-    argv = [
-        "--model", str(model_dir), "--calib", str(text_dir / "calib.txt"), "--eval", str(text_dir / "eval.txt"),
-        "--out", str(out), "--param-ratio", "0.85", "--cost", "measured", "--calib-seqs", "8", "--calib-len", "256",
-        "--eval-chunks", "4", "--seq", "512", "--repeats", str(repeats), "--predict", "a100,h100", "--cache", str(kernels),
-    ]
-    parser = argparse.ArgumentParser()
-    align_cli.configure(parser)
-    align_cli.run(parser.parse_args(argv))
-    record = json.loads((out / "report.json").read_text())
+    cost = MeasuredCost("auto", "float32", repeats=repeats, cache=kernels)
+    config = AlignConfig(ASVDConfig(alpha=0.5), 0.85, cost, tokens=512, multiple=8, steps=4, tolerance=0.03)
+    compressed, result = compress(model, calib, config, inplace=False)
+    costs = {"measured-kernels": cost, "a100": AnalyticCost("a100"), "h100": AnalyticCost("h100")}
+    table_rows = result.compare(model, compressed, VARIANTS, costs=costs, seq_len=512, eval_chunks=held_out, repeats=repeats)
+    record = {"budget": result.budget, "dense_params": result.dense_params, "sizes": result.sizes,
+              "rows": [r.as_dict() for r in table_rows]}
     rows = {r["variant"]: r for r in record["rows"]}
     ratios = {
         "prefill gac / raw": rows["gac"]["measured_prefill_s"] / rows["raw"]["measured_prefill_s"],
@@ -75,7 +73,7 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
     }
     text = (
         "## 1. Gemma-3-270M, ASVD at parameter ratio 0.85 (CPU, float32)\n\n"
-        f"Command (inside this script): `netgain align {' '.join(argv)}`\n\n"
+        f"`netgain.align.compress(model, calib, {config})`\n\n"
         "Calibration: 8 x 256 tokens of the Python docs' library reference; perplexity: 4 x 512 tokens of the\n"
         "other Python docs (tutorial, reference, howto, ...). Latency: batch 1, median of repeats, variants timed\n"
         "in turns in one run. Units the compressor keeps dense count as aligned. Predicted columns: the sum of the\n"
@@ -83,7 +81,7 @@ def gemma_section(repeats: int) -> tuple[str, dict]:
         "GAC: candidates at multiples of 8 within 4 steps of each ASVD rank, dense where factorising does not pay on\n"
         "this CPU, cliffs (3% tolerance) removed, valued by the compressor's own predicted-loss curve (the\n"
         "same curve its per-layer allocation minimised).\n\n"
-        + (out / "report.md").read_text()
+        + report.markdown(table_rows, result.budget, cost.preferred_multiple)
         + "\nRatios from this run: "
         + ", ".join(f"{k} = {v:.3f}" for k, v in ratios.items())
         + "\n"
@@ -106,8 +104,8 @@ def variant_sizes(units, cost, tokens: int) -> dict[str, dict[str, int]]:
     return {
         "dense": full_sizes(units),
         "raw": proposed_sizes(units),
-        "round-down": gac.round_sizes(units, 8, "down"),
-        "gac": gac.select(units, cost, tokens, multiple=8, steps=4),
+        "round-down": ASVD().round_sizes(units, 8, "down"),
+        "gac": ASVD().select(units, cost, tokens, multiple=8, steps=4),
     }
 
 

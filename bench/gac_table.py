@@ -20,10 +20,8 @@ bench/gac_gpu.sh reads to rebuild the same architectures on a GPU.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -32,19 +30,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gac_models import gemma_270m, python_docs_split  # noqa: E402
+from gac_models import kjv_text  # noqa: E402
 
-from netgain.align import evaluate, gac, prune  # noqa: E402
-from netgain.align.lowrank import ASVD  # noqa: E402
-from netgain.align.units import aligned_fraction, full_sizes, proposed_sizes, total_params  # noqa: E402
+from netgain.align import AlignConfig, ASVDConfig, MeasuredCost, PrunerConfig, compress, evaluate, prune  # noqa: E402
+from netgain.align.defaults import packaged_gemma, python_docs  # noqa: E402
+from netgain.align.units import aligned_fraction, total_params  # noqa: E402
 from netgain.cost.kernels import AnalyticCost  # noqa: E402
+from netgain.cost.profile import cpu_name  # noqa: E402
 from netgain.models import parameter_count  # noqa: E402
-from netgain.cost.profile import MeasuredCost, cpu_name  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs"
 ROWS = ("dense", "ASVD", "ASVD+round", "ASVD+GAC", "Pruner", "Pruner+round", "Pruner+GAC")
+SUFFIX = {"": "raw", "+round": "round-down", "+GAC": "gac"}  # row name suffix -> variant of compress's result
 CORPORA = ("python-docs", "kjv")
 GPUS = ("a100", "h100")
 
@@ -52,26 +51,12 @@ GPUS = ("a100", "h100")
 def corpus_files(text_dir: Path) -> dict[str, Path]:
     """calib / python-docs / kjv text files, written once from the Debian packages."""
     text_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"calib": text_dir / "calib.txt", "python-docs": text_dir / "eval.txt", "kjv": text_dir / "kjv.txt"}
-    for split, name in (("calib", "calib"), ("eval", "python-docs")):
-        if not paths[name].exists():
-            paths[name].write_text("\n\n".join(f.read_text(errors="replace") for f in python_docs_split(split)))
-    if not paths["kjv"].exists():
-        try:
-            text = subprocess.run(["bible", "-l0", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
-        except FileNotFoundError as error:
-            raise SystemExit("the KJV corpus needs: apt-get install -y --no-install-recommends bible-kjv bible-kjv-text") from error
-        paths["kjv"].write_text(text)
+    make = {"calib": lambda: python_docs("calib"), "python-docs": lambda: python_docs("eval"), "kjv": kjv_text}
+    paths = {name: text_dir / f"{name}.txt" for name in make}
+    for name, path in paths.items():
+        if not path.exists():
+            path.write_text(make[name]())
     return paths
-
-
-def variant(model, compressor, sizes):
-    """A copy of `model` (embeddings shared, not copied: they are never compressed) rebuilt at `sizes`."""
-    embedding = model.get_input_embeddings().weight
-    candidate = copy.deepcopy(model, memo={id(embedding): embedding})
-    if compressor is not None:
-        compressor.apply(candidate, sizes)
-    return candidate
 
 
 def unit_record(unit) -> dict:
@@ -109,42 +94,34 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = gemma_270m(RUNS / "gemma3-270m")
+    model_dir = packaged_gemma()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     texts = corpus_files(RUNS / "gac_text")
     calib = evaluate.token_chunks(tokenizer, texts["calib"].read_text(), args.calib_len, args.calib_seqs)
     held_out = {c: evaluate.token_chunks(tokenizer, texts[c].read_text(), args.eval_len, args.eval_chunks) for c in CORPORA}
 
-    t0 = time.perf_counter()
-    asvd = ASVD(alpha=0.5)
-    asvd.fit(model, calib)
-    pruner = prune.Pruner(args.importance, args.scope)
-    pruner.fit(model, calib)
-    fit_s = time.perf_counter() - t0
-    units = {"ASVD": asvd.propose(args.param_ratio), "Pruner": pruner.propose(args.param_ratio)}
-    sizing = {"ASVD": gac, "Pruner": prune}
-    compressors = {"ASVD": asvd, "Pruner": pruner}
-
     kernels = work / "kernels.json"  # measured in this run
     kernels.unlink(missing_ok=True)
     cost = MeasuredCost("cpu", "float32", warmup=1, repeats=args.kernel_repeats, cache=kernels)
     t0 = time.perf_counter()
-    sizes = {"dense": (None, full_sizes(units["ASVD"]))}
-    for method in ("ASVD", "Pruner"):
-        u = units[method]
-        sizes[method] = (method, proposed_sizes(u))
-        sizes[f"{method}+round"] = (method, sizing[method].round_sizes(u, 8, "down"))
-        sizes[f"{method}+GAC"] = (method, sizing[method].select(u, cost, seqs[0], multiple=8, steps=4, tolerance=0.03))
-    select_s = time.perf_counter() - t0
-    cost.save()
+    results, models = {}, {"dense": model}
+    for method, compressor in (("ASVD", ASVDConfig(alpha=0.5)), ("Pruner", PrunerConfig(args.importance, args.scope))):
+        config = AlignConfig(compressor, args.param_ratio, cost, tokens=seqs[0], multiple=8, steps=4, tolerance=0.03)
+        models[f"{method}+GAC"], results[method] = compress(model, calib, config, inplace=False)
+        models.update({method + suffix: results[method].build(model, v) for suffix, v in SUFFIX.items() if v != "gac"})
+    fit_s = time.perf_counter() - t0  # calibration, proposal, kernel profiling and GAC, both methods
+    models = {row: models[row] for row in ROWS}
+    units = {method: result.units for method, result in results.items()}
+    sizes = {"dense": (None, results["ASVD"].sizes["dense"])}
+    sizes.update({m + suffix: (m, results[m].sizes[v]) for m in results for suffix, v in SUFFIX.items()})
+    sizes = {row: sizes[row] for row in ROWS}
 
-    models = {row: variant(model, compressors.get(method), chosen) if method else model for row, (method, chosen) in sizes.items()}
     rows = {}
     for row, (method, chosen) in sizes.items():
         m = models[row]
         u = units[method or "ASVD"]
-        budget = total_params(u, proposed_sizes(u))
+        budget = results[method or "ASVD"].budget
         rows[row] = {
             "variant": row,
             "aligned_8": aligned_fraction(u, chosen, 8) if method else 1.0,
@@ -198,8 +175,8 @@ def main() -> int:
         f"({cost.name}, 3% noise tolerance), knapsack under the raw method's parameter count. +round = round_to 8, down. "
         f"CPU latency: batch 1, median of {args.repeats} after a warm-up, all 7 variants timed in turns; decode = one token "
         f"on a {seqs[0]}-token KV cache. A100/H100: analytic model (sum of GEMMs + SDPA + LM head), prefill S={seqs[-1]}. "
-        f"Aligned % counts units (ASVD: {len(units['ASVD'])} Linears; Pruner: {len(units['Pruner'])} blocks) whose size is a multiple of 8; fitting took "
-        f"{fit_s:.0f} s, kernel profiling + selection {select_s:.0f} s.\n\n"
+        f"Aligned % counts units (ASVD: {len(units['ASVD'])} Linears; Pruner: {len(units['Pruner'])} blocks) whose size is a multiple of 8; "
+        f"netgain.align.compress (fitting, kernel profiling and selection, both methods) took {fit_s:.0f} s.\n\n"
     )
     head = ["variant", "aligned %8", "params", "unit params / budget"] + [f"ppl {c}" for c in CORPORA]
     head += [f"CPU prefill S={s} ms" for s in seqs] + ["CPU decode tok/s"] + [f"{g.upper()} prefill S={seqs[-1]} ms" for g in GPUS]

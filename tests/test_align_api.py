@@ -93,7 +93,6 @@ def test_variants_build_from_the_dense_model_and_save_load_gives_identical_logit
     result.save(model, tmp_path / method)
     with torch.no_grad():
         assert torch.equal(load(tmp_path / method)(ids).logits, model(ids).logits)
-    assert set(result.variants(dense, ["dense", "gac"], {"gac": model})) == {"dense", "gac"}
 
 
 def test_round_down_is_a_candidate_even_on_a_cliff():

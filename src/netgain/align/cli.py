@@ -136,13 +136,10 @@ def run(args) -> int:
     # predicted latency: the sum of the cost model's kernels ("measured-kernels": timed on this device)
     costs = {"measured-kernels" if args.cost == "measured" else args.cost: cost}
     costs.update({p: AnalyticCost(p) for p in predict if p not in costs})
-    built = result.variants(model, variants, {args.save: compressed})
     result.save(compressed, out, tokenizer)
     with tqdm(total=len(variants) + 1, desc="perplexity, then latency in turns", unit="step") as bar:
-        rows = report.compare(
-            built, result.units, costs=costs, preferred_multiple=cost.preferred_multiple, seq_len=args.seq,
-            eval_chunks=held_out, repeats=args.repeats, progress=bar,
-        )
+        rows = result.compare(model, compressed, variants, costs=costs, seq_len=args.seq, eval_chunks=held_out,
+                              repeats=args.repeats, progress=bar)
 
     table = report.markdown(rows, result.budget, cost.preferred_multiple)
     summary = (

@@ -18,35 +18,36 @@ VARIANTS = ("raw", "round-nearest", "round-down", "gac")  # the sizes `compress`
 COSTS = ("measured",) + tuple(sorted(PRESETS))
 
 
-@dataclass(frozen=True)
-class ASVDConfig:
-    """Activation-aware SVD (`lowrank.ASVD`): input channels scaled by mean |x| ** alpha."""
-
-    alpha: float = 0.5
+class _BuiltToValidate:
+    """A compressor config is checked by building its compressor, whose constructor states the allowed values."""
 
     def __post_init__(self):
         self.build()
+
+
+@dataclass(frozen=True)
+class ASVDConfig(_BuiltToValidate):
+    """Activation-aware SVD (`lowrank.ASVD`): input channels scaled by mean |x| ** alpha."""
+
+    alpha: float = 0.5
 
     def build(self) -> Compressor:
         return ASVD(alpha=self.alpha)
 
 
 @dataclass(frozen=True)
-class SVDLLMConfig:
+class SVDLLMConfig(_BuiltToValidate):
     """SVD-LLM (`svdllm.SVDLLM`): whitening by the Cholesky factor of the input covariance, `jitter` x its
     mean diagonal added where it is not positive definite."""
 
     jitter: float = 1e-6
-
-    def __post_init__(self):
-        self.build()
 
     def build(self) -> Compressor:
         return SVDLLM(jitter=self.jitter)
 
 
 @dataclass(frozen=True)
-class PrunerConfig:
+class PrunerConfig(_BuiltToValidate):
     """Structured pruning (`prune.Pruner`) of MLP channels and, with `heads`, whole KV groups.
 
     importance: one of prune.IMPORTANCE; scope: one of prune.SCOPES; layers: 'START:END' (END exclusive) or None for all.
@@ -56,9 +57,6 @@ class PrunerConfig:
     scope: str = "uniform"
     layers: str | None = None
     heads: bool = True
-
-    def __post_init__(self):
-        self.build()
 
     def build(self) -> Compressor:
         return Pruner(self.importance, self.scope, parse_layers(self.layers), heads=self.heads)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from . import store
+from . import report, store
 from .compressor import Compressor
 from .config import AlignConfig
 from .units import Unit, aligned_fraction, full_sizes, proposed_sizes, total_params
@@ -47,10 +47,16 @@ class Compression:
         self.compressor.apply(candidate, self.sizes[variant])
         return candidate
 
-    def variants(self, model: nn.Module, names, built: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, int]]]:
-        """(model, sizes) per variant name: "dense" is `model` itself, those in `built` are reused, the rest built."""
-        models = {n: model if n == "dense" else built[n] if n in built else self.build(model, n) for n in names}
-        return {n: (models[n], self.sizes[n]) for n in names}
+    def compare(self, model: nn.Module, compressed: nn.Module, names, *, costs, seq_len: int, eval_chunks, repeats: int,
+                progress=None) -> list[report.Row]:
+        """`report.compare` over the named variants: "dense" is `model` itself (still uncompressed),
+        compress's own output stands for its variant, the others are built from `model`."""
+        built = {}
+        for name in names:
+            built[name] = model if name == "dense" else compressed if name == self.config.variant else self.build(model, name)
+        return report.compare({n: (m, self.sizes[n]) for n, m in built.items()}, self.units, costs=costs,
+                              preferred_multiple=self.cost.preferred_multiple, seq_len=seq_len, eval_chunks=eval_chunks,
+                              repeats=repeats, progress=progress)
 
     def save(self, model: nn.Module, out_dir: str | Path, tokenizer=None, variant: str | None = None) -> Path:
         """`netgain.align.save` with this run's method, variant, ratio and sizes in the manifest."""
