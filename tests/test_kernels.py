@@ -1,15 +1,19 @@
-"""Analytic GPU kernel model (alignment tiers, waves, attention backends) and the measured, cached profile."""
+"""Kernel and whole-model latency: the analytic GPU model against the paper's A100 rows, robust timing,
+the measured cost table (atomic, corruption-safe), the end-to-end latency model and `netgain profile`."""
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from netgain.cost import profile
+from netgain.cost import latency, profile, published
 from netgain.cost.kernels import PRESETS, AnalyticCost, gemm_tier
-from netgain.cost.profile import MeasuredCost, linear_shapes, rank_sweep
+from netgain.cost.measured import MeasuredCost
+from netgain.cost.profile import linear_shapes, rank_sweep
+from netgain.cost.timing import interleaved, summarise
 
 
 def test_gemm_tiers_follow_alignment_of_k_and_n():
@@ -50,21 +54,102 @@ def test_analytic_rejects_bad_arguments():
         AnalyticCost("a100").gemm(1, 0, 8)
 
 
+@pytest.fixture(scope="module")
+def paper_rows():
+    cost = AnalyticCost("a100")
+    seq = published.SEQ_LEN
+    return {name: latency.predict(published.variant(name), cost, seq, seq, logits=seq).total_s * 1e3 for name in published.PAPER_A100_MS}
+
+
+@pytest.mark.parametrize("row", ["dense", "llm-pruner", "llm-pruner+gac"])
+def test_analytic_a100_matches_the_papers_rows_within_15_percent(paper_rows, row):
+    assert paper_rows[row] == pytest.approx(published.PAPER_A100_MS[row], rel=0.15)
+
+
+def test_analytic_a100_asvd_rows(paper_rows):
+    """ASVD's raw/GAC ratio (one experiment) fits; its absolute level cannot while dense fits: ASVD+GAC
+    keeps 85% of dense's FLOPs in two GEMMs per layer, yet the paper has it at 67% of dense."""
+    paper = published.PAPER_A100_MS
+    assert paper_rows["asvd"] / paper_rows["asvd+gac"] == pytest.approx(paper["asvd"] / paper["asvd+gac"], rel=0.15)
+    assert paper_rows["asvd+gac"] / paper_rows["dense"] > 0.85 > paper["asvd+gac"] / paper["dense"]
+
+
+def test_published_variants_have_the_papers_budget_and_alignment():
+    dense, pruner, asvd = (published.variant(n) for n in ("dense", "llm-pruner", "asvd"))
+    linears = lambda m: [x for x in m.model.layers.modules() if isinstance(x, torch.nn.Linear)]
+    params = lambda m: sum(x.in_features * x.out_features for x in linears(m))
+    assert params(pruner) / params(dense) == pytest.approx(0.85, abs=0.005)
+    assert params(asvd) / params(dense) == pytest.approx(0.85, abs=0.005)
+    assert published.aligned_fraction(pruner) == pytest.approx(0.83, abs=0.03)  # the paper: 83%
+    ranks = list(published.asvd_ranks(dense).values())
+    assert sum(r % 8 == 0 for r in ranks) / len(ranks) < 0.1  # the paper: 5%
+    with pytest.raises(ValueError, match="name must be one of"):
+        published.variant("asvd+round")
+
+
+def test_outliers_are_rejected_and_the_spread_reported():
+    t = summarise([1.0, 1.01, 0.99, 1.02, 0.98, 5.0])
+    assert t.rejected == 1 and t.kept == 5 and t.median_s == pytest.approx(1.0)
+    assert 0 < t.spread < 0.05 and t.times_s[-1] == 5.0
+    assert summarise([2.0, 2.0, 2.0]).spread == 0.0
+    with pytest.raises(ValueError, match="at least one sample"):
+        summarise([])
+
+
+def test_interleaved_rounds_rotate_the_order():
+    order = []
+    calls = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    timed = interleaved(calls, repeats=3, warmup=0)
+    assert order == list("abcbcacab") and all(len(t.times_s) == 3 for t in timed.values())
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        interleaved(calls, repeats=0)
+
+
 def test_measured_cost_times_once_and_reloads_from_cache(tmp_path, monkeypatch):
     path = tmp_path / "table.json"
     cost = MeasuredCost("cpu", "float32", warmup=1, repeats=3, cache=path)
     t = cost.gemm(16, 32, 24)
     a = cost.sdpa(1, 2, 8, 8, 16)
-    assert t > 0 and a > 0
+    assert t > 0 and a > 0 and 0 <= cost.noise
     cost.save()
     record = json.loads(path.read_text())
     assert record["device"] == cost.name and record["threads"] == torch.get_num_threads()
-    assert len(record["entries"]["gemm 16 32 24"]["times_s"]) == 3
+    entry = record["entries"]["gemm 16 32 24"]
+    assert len(entry["times_s"]) == 3 and {"median_s", "spread", "kept", "rejected"} <= set(entry)
 
     reloaded = MeasuredCost("cpu", "float32", cache=path)
-    monkeypatch.setattr(reloaded, "_time", lambda fn: pytest.fail("cached shape was measured again"))
+    monkeypatch.setattr(reloaded, "_time", lambda calls: pytest.fail("cached shape was measured again"))
     assert reloaded.gemm(16, 32, 24) == t
     assert reloaded.sdpa(1, 2, 8, 8, 16) == a
+
+
+def test_cache_is_written_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    cost = MeasuredCost("cpu", "float32", warmup=0, repeats=1, cache=path)
+    cost.gemm(4, 8, 8)
+    cost.save()
+    before = path.read_text()
+    cost.gemm(4, 8, 16)
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        cost.save()
+    assert path.read_text() == before  # the old table survives a failed write
+    assert [p.name for p in tmp_path.iterdir()] == ["table.json"]  # and no temp file is left behind
+
+
+def test_corrupt_cache_is_set_aside_with_a_warning_and_measured_again(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text('{"device": "cpu:x", "entries": {')  # a half-written file
+    with pytest.warns(UserWarning, match="unreadable"):
+        cost = MeasuredCost("cpu", "float32", warmup=0, repeats=1, cache=path)
+    assert cost.table == {} and (tmp_path / "table.json.corrupt").exists()
+    cost.gemm(4, 8, 8)
+    cost.save()
+    assert "gemm 4 8 8" in json.loads(path.read_text())["entries"]
 
 
 def test_measured_cost_rejects_bad_arguments():
@@ -78,6 +163,66 @@ def tiny_llama_config():
     return LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128
     )
+
+
+class Counting:
+    """A cost model that charges 1 s per call of each kind and records what it was asked."""
+
+    host_bound = True
+
+    def __init__(self):
+        self.asked = []
+
+    def __getattr__(self, kind):
+        return lambda *args: self.asked.append((kind, args)) or 1.0
+
+
+def test_predicted_latency_counts_kernels_and_every_overhead():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    cost = Counting()
+    parts = latency.predict(model, cost, 8, 8)
+    kinds = [k for k, _ in cost.asked]
+    assert kinds.count("gemm") == 2 * 7 + 1 and kinds.count("sdpa") == 2
+    assert kinds.count("norm") == 2 * 2 + 1 and kinds.count("activation") == 2  # two norms a layer + the final one
+    assert parts.glue_s > 0 and parts.framework_s > 0 and parts.overhead_s == pytest.approx(parts.total_s - 2 * 7 - 1 - 2)
+    (calls, ops), = [args for k, args in cost.asked if k == "framework"]
+    assert calls > 2 * 10 and ops > 0  # module calls and the ops outside the timed kernels
+    decode = Counting()
+    latency.predict(model, decode, 1, 9)
+    assert ("sdpa", (1, 4, 1, 9, 16)) in decode.asked
+    assert ("elementwise", (2 * 9 * 2 * 16, 1)) in decode.asked  # the KV cache append
+    with pytest.raises(ValueError, match="tokens <= context"):
+        latency.predict(model, cost, 8, 4)
+
+
+def test_a_kernels_only_cost_model_predicts_kernels_alone():
+    class Kernels:
+        def gemm(self, m, k, n):
+            return 1.0
+
+        def sdpa(self, *args):
+            return 0.0
+
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    parts = latency.predict(model, Kernels(), 8, 8)
+    assert parts.total_s == parts.gemm_s == 2 * 7 + 1
+
+
+def test_prediction_of_a_tiny_model_is_close_to_its_measured_latency(tmp_path):
+    """End to end on this CPU: a structural check, not a timing race (a loose factor, overheads present)."""
+    from netgain.align.evaluate import interleaved_latency
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+    cost = MeasuredCost("cpu", "float32", warmup=1, repeats=3, cache=tmp_path / "t.json")
+    prefill, decode = latency.predict(model, cost, 32, 32), latency.predict(model, cost, 1, 33)
+    measured = interleaved_latency({"m": model}, 32, repeats=3)["m"]
+    for parts, seconds in ((prefill, measured["prefill_s"]), (decode, measured["decode_s"])):
+        assert parts.overhead_s > 0 and parts.framework_s > 0
+        assert seconds / 4 < parts.total_s < 4 * seconds
+    assert measured["prefill_spread"] >= 0
 
 
 def test_linear_shapes_and_rank_sweep():
@@ -95,3 +240,6 @@ def test_profile_cli_writes_a_table(tmp_path):
     assert rc == 0
     entries = json.loads(path.read_text())["entries"]
     assert "gemm 16 64 96" in entries and "gemm 1 96 64" in entries and "sdpa 1 4 16 16 16 1" in entries
+    assert any(k.startswith("norm LlamaRMSNorm") for k in entries) and "call" in entries and "op" in entries
+    with pytest.raises(ValueError, match="--min-ratio"):
+        profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--min-ratio", "0"]))

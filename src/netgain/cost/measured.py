@@ -1,0 +1,248 @@
+"""Kernel and per-layer overhead latency measured on the current device (CUDA when present, else CPU), cached as JSON.
+
+Rules of thumb about alignment differ per GPU and per CPU (papers/gac.md): the only reliable cost
+is a measurement of the real shapes on the target device. `MeasuredCost` times what a decoder
+forward runs — GEMMs, SDPA, the model's own norm and activation modules, streaming elementwise
+passes (residual adds, rotary embedding, KV-cache appends) and the framework's cost per module
+call — the first time each is asked for (`netgain profile` fills the table ahead of time), with
+`netgain.cost.timing`'s interleaved rounds and outlier rejection. A GEMM reads its weight from
+memory as it does inside a model larger than the cache: the timing cycles through enough copies
+of the weight to flush the last-level cache. The table is keyed by device, thread count and dtype
+and written atomically, so an interrupted run never leaves a half-written cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .timing import Timing, interleaved
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CACHE_DIR = Path(os.environ.get("NETGAIN_CACHE", Path.home() / ".cache" / "netgain"))
+COLD_BYTES = 128 << 20  # weight copies cycled per GEMM timing: beyond the last-level cache of CPUs and GPUs here
+MAX_WEIGHT_COPIES = 256
+CALLS_PER_SAMPLE = 100  # trivial calls timed together (one call is below the timer's resolution)
+# the cheap ops a decoder forward dispatches between its kernels, in one representative mix
+GLUE_OPS = (
+    lambda x: x.view(-1), lambda x: x.transpose(0, 1), lambda x: x[..., :1], lambda x: x.unsqueeze(0),
+    lambda x: x.to(torch.float16), lambda x: x + 1,
+)
+
+
+def cpu_name() -> str:
+    """The CPU model string (for cache keys and reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class MeasuredCost:
+    """Latency (seconds) of kernels and overheads timed on this device; same interface as `AnalyticCost`."""
+
+    def __init__(
+        self,
+        device: str = "auto",
+        dtype: str = "float32",
+        *,
+        threads: int | None = None,
+        warmup: int = 2,
+        repeats: int = 7,
+        cache: str | Path | None = None,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if warmup < 0 or repeats < 1:
+            raise ValueError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.threads = torch.get_num_threads()
+        self.warmup, self.repeats = warmup, repeats
+        hardware = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_name()} x{self.threads} threads"
+        self.name = f"{device}:{hardware}"
+        # one fp32 AVX-512 register holds 16 values; a tensor-core k-step is 16 halves
+        self.preferred_multiple = 16
+        self.host_bound = device == "cpu"  # eager CPU: the host's dispatch time is latency
+        slug = "".join(c if c.isalnum() else "-" for c in f"{self.name}-{dtype}").strip("-").lower()
+        self.path = Path(cache) if cache is not None else DEFAULT_CACHE_DIR / f"kernels-{slug}.json"
+        self.table: dict[str, Timing] = self._load()
+
+    # --- what a forward runs -------------------------------------------------------------------
+
+    def gemm(self, m: int, k: int, n: int) -> float:
+        """(M x K) @ (K x N) as nn.Linear runs it, F.linear(x[M, K], w[N, K]), weight read from memory."""
+        return self._get(f"gemm {m} {k} {n}", lambda: self._gemm_call(m, k, n))
+
+    def sdpa(self, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool = True) -> float:
+        """torch's scaled_dot_product_attention with whatever backend it picks for this head_dim."""
+        causal = causal and q_len == kv_len and q_len > 1
+        key = f"sdpa {batch} {heads} {q_len} {kv_len} {head_dim} {int(causal)}"
+        return self._get(key, lambda: self._sdpa_call(batch, heads, q_len, kv_len, head_dim, causal))
+
+    def norm(self, module: nn.Module, shape: tuple[int, ...]) -> float:
+        """The model's own norm module on an input of `shape`."""
+        key = f"norm {type(module).__name__} {'x'.join(map(str, shape))}"
+        return self._get(key, lambda: self._module_call(module, shape))
+
+    def activation(self, module: nn.Module, shape: tuple[int, ...]) -> float:
+        """A gated MLP's activation: act(gate) * up on inputs of `shape`."""
+        key = f"act {type(module).__name__} {'x'.join(map(str, shape))}"
+        return self._get(key, lambda: self._gated_call(module, shape))
+
+    def elementwise(self, numel: int, passes: int = 1) -> float:
+        """`passes` streaming passes (read one tensor, write one) over `numel` elements."""
+        if passes == 0:
+            return 0.0
+        x = None
+
+        def make():
+            nonlocal x
+            x = torch.randn(numel, device=self.device, dtype=DTYPES[self.dtype])
+            return lambda: x.mul(1.0001)
+
+        return passes * self._get(f"pass {numel}", make)
+
+    def framework(self, calls: int, ops: int) -> float:
+        """Host time of `calls` nn.Module calls and `ops` cheap aten ops (views, casts, slices, small
+        arithmetic) beyond the kernels timed on their own."""
+
+        def make_calls():
+            module, x = nn.Identity(), torch.zeros(1, device=self.device)
+            return lambda: [module(x) for _ in range(CALLS_PER_SAMPLE)]
+
+        def make_ops():
+            x = torch.zeros(2, 2, device=self.device)
+            return lambda: [op(x) for _ in range(CALLS_PER_SAMPLE // len(GLUE_OPS)) for op in GLUE_OPS]
+
+        per_call = self._get("call", make_calls) / CALLS_PER_SAMPLE if calls else 0.0
+        per_op = self._get("op", make_ops) / (CALLS_PER_SAMPLE // len(GLUE_OPS) * len(GLUE_OPS)) if ops else 0.0
+        return calls * per_call + ops * per_op
+
+    # --- noise and the table ----------------------------------------------------------------------
+
+    def spread(self, key: str) -> float:
+        """Relative spread (IQR / median) of one measured entry."""
+        return self.table[key].spread
+
+    @property
+    def noise(self) -> float:
+        """The typical relative spread of this table's timings (90th percentile): latency differences
+        smaller than this are not evidence of a cliff."""
+        spreads = sorted(t.spread for t in self.table.values())
+        return spreads[min(len(spreads) - 1, int(0.9 * len(spreads)))] if spreads else 0.0
+
+    def measure_gemms(self, shapes) -> None:
+        """Time every missing (M, K, N) together, interleaved round by round (what `netgain profile` does)."""
+        missing = {f"gemm {m} {k} {n}": (m, k, n) for m, k, n in shapes if f"gemm {m} {k} {n}" not in self.table}
+        for start in range(0, len(missing), 64):  # batches keep the weight copies in memory bounded
+            batch = dict(itertools.islice(missing.items(), start, start + 64))
+            self.table.update(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}))
+
+    def save(self) -> Path:
+        """Write the table (with what it was measured on) to the cache file, atomically."""
+        record = {
+            "device": self.name,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "torch": torch.__version__,
+            "warmup": self.warmup,
+            "repeats": self.repeats,
+            "entries": {k: t.as_dict() for k, t in sorted(self.table.items())},
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return self.path
+
+    def _load(self) -> dict[str, Timing]:
+        """Entries of the cache file for this device and dtype; a corrupt file is set aside with a warning."""
+        if not self.path.exists():
+            return {}
+        try:
+            stored = json.loads(self.path.read_text())
+            if stored.get("device") != self.name or stored.get("dtype") != self.dtype:
+                return {}
+            return {k: Timing.from_dict(v) for k, v in stored["entries"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            os.replace(self.path, aside)
+            warnings.warn(f"kernel cache {self.path} is unreadable ({error}); moved to {aside}, measuring again", stacklevel=3)
+            return {}
+
+    # --- timing ------------------------------------------------------------------------------------
+
+    def _get(self, key: str, make: Callable[[], Callable[[], object]]) -> float:
+        if key not in self.table:
+            self.table.update(self._time({key: make()}))
+        return self.table[key].median_s
+
+    @torch.inference_mode()
+    def _time(self, calls: Mapping[str, Callable[[], object]]) -> dict[str, Timing]:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        return interleaved(calls, self.repeats, self.warmup, sync)
+
+    def _gemm_call(self, m: int, k: int, n: int):
+        dtype = DTYPES[self.dtype]
+        copies = max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_BYTES / (n * k * torch.finfo(dtype).bits // 8))))
+        x = torch.randn(m, k, device=self.device, dtype=dtype)
+        weights = itertools.cycle([torch.randn(n, k, device=self.device, dtype=dtype) for _ in range(copies)])
+        return lambda: F.linear(x, next(weights))
+
+    def _sdpa_call(self, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool):
+        dtype = DTYPES[self.dtype]
+        q = torch.randn(batch, heads, q_len, head_dim, device=self.device, dtype=dtype)
+        kv = torch.randn(batch, heads, kv_len, head_dim, device=self.device, dtype=dtype)
+        return lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=causal)
+
+    def _module_call(self, module: nn.Module, shape: tuple[int, ...]):
+        x = torch.randn(*shape, device=self.device, dtype=DTYPES[self.dtype])
+        module = _on(module, self.device, DTYPES[self.dtype])
+        return lambda: module(x)
+
+    def _gated_call(self, module: nn.Module, shape: tuple[int, ...]):
+        gate, up = (torch.randn(*shape, device=self.device, dtype=DTYPES[self.dtype]) for _ in range(2))
+        module = _on(module, self.device, DTYPES[self.dtype])
+        return lambda: module(gate) * up
+
+
+def _on(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The module itself when its parameters already live on `device` in `dtype`, else a copy that does."""
+    params = list(module.parameters())
+    if all(p.device == device and p.dtype == dtype for p in params):
+        return module
+    if any(p.is_meta for p in params):  # a shape-only model: give the copy finite values to time
+        clone = copy.deepcopy(module).to_empty(device=device).to(dtype)
+        for p in clone.parameters():
+            p.detach().fill_(1.0)
+        return clone
+    return copy.deepcopy(module).to(device=device, dtype=dtype)
