@@ -18,6 +18,8 @@ import torch
 from netgain import cli, train
 
 CPUS = os.cpu_count() or 1
+needs_proc_children = pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
+                                         reason="finds the workers through Linux's /proc/PID/task/PID/children")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -307,6 +309,7 @@ def test_bad_argument_fails_in_the_parent_within_seconds():
     assert seconds < 10, seconds
 
 
+@needs_proc_children
 @pytest.mark.parametrize("sig, training", [(signal.SIGINT, True), (signal.SIGTERM, False)])
 def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, sig, training):
     """SIGINT once the workers train; SIGTERM while they start up."""
@@ -326,6 +329,7 @@ def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, sig, training):
     assert not any(map(alive, workers))
 
 
+@needs_proc_children
 def test_frozen_peer_is_announced_and_ends_the_run(tmp_path):
     run = Train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--collective-timeout", "2",
                 "--out", str(tmp_path))
