@@ -99,8 +99,9 @@ def test_outliers_are_rejected_and_the_spread_reported():
 def test_interleaved_rounds_rotate_the_order():
     order = []
     calls = {k: (lambda k=k: order.append(k)) for k in "abc"}
-    timed = interleaved(calls, repeats=3, warmup=0)
-    assert order == list("abcbcacab") and all(len(t.times_s) == 3 for t in timed.values())
+    timed = interleaved(calls, repeats=3, warmup=0, before={"b": lambda: order.append("reset")})
+    assert [k for k in order if k != "reset"] == list("abcbcacab") and all(len(t.times_s) == 3 for t in timed.values())
+    assert all(order[i + 1] == "b" for i, k in enumerate(order) if k == "reset")
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         interleaved(calls, repeats=0)
 

@@ -8,6 +8,7 @@ head count, the per-layer norms, activation, attention glue and module calls, an
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from pathlib import Path
@@ -59,23 +60,24 @@ def interleaved_latency(models: Mapping[str, nn.Module], seq_len: int, repeats: 
     """Prefill and decode seconds of each model (batch 1): median after outlier rejection, and spread.
 
     Prefill runs `seq_len` tokens with last-token logits only, as `generate` does; decode is one new
-    token on top of a `seq_len`-token KV cache (the new token is cropped off after every step, so the
-    context stays `seq_len`). Every call is timed once per round in a rotating order (`netgain.cost.timing`): the
+    token on top of a `seq_len`-token KV cache (a fresh copy before every step, untimed, so the context
+    stays `seq_len`; sliding-window caches cannot be cropped back). Every call is timed once per round in a rotating order (`netgain.cost.timing`): the
     load of other processes on a shared machine spreads over every model alike, so the ratios
     between models stay meaningful; `*_spread` is the interquartile range / median of the kept samples.
     """
     ids = torch.randint(0, min(m.config.vocab_size for m in models.values()), (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    calls = {}
+    calls, before = {}, {}
     for name, model in models.items():
         prompt, step = ids[:, :seq_len].to(model.device), ids[:, seq_len:].to(model.device)
         # transformers 5 calls the KV cache `cache`; earlier releases `past_key_values`
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         cache = getattr(model(input_ids=prompt, use_cache=True), key)
-        decode = {"input_ids": step, key: cache, "use_cache": True, "logits_to_keep": 1}
+        decode = {"input_ids": step, "use_cache": True, "logits_to_keep": 1}
         calls[f"{name}\tprefill"] = lambda model=model, prompt=prompt: model(input_ids=prompt, use_cache=False, logits_to_keep=1)
-        calls[f"{name}\tdecode"] = lambda model=model, decode=decode, cache=cache: (model(**decode), cache.crop(-1))
+        calls[f"{name}\tdecode"] = lambda model=model, decode=decode: model(**decode)
+        before[f"{name}\tdecode"] = lambda decode=decode, cache=cache, key=key: decode.update({key: copy.deepcopy(cache)})
     sync = torch.cuda.synchronize if any(m.device.type == "cuda" for m in models.values()) else None
-    timed = interleaved(calls, repeats, warmup, sync)
+    timed = interleaved(calls, repeats, warmup, sync, before)
     result = {}
     for name in models:
         prefill, decode = timed[f"{name}\tprefill"], timed[f"{name}\tdecode"]

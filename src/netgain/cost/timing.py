@@ -51,10 +51,17 @@ def summarise(times: list[float]) -> Timing:
     return Timing(centre, spread, len(kept), len(times) - len(kept), tuple(times))
 
 
-def interleaved(calls: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1, sync: Callable[[], None] | None = None) -> dict[str, Timing]:
+def interleaved(
+    calls: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[], None] | None = None,
+    before: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, Timing]:
     """Time each call `repeats` times after `warmup` untimed rounds, one call per key per round.
 
     The order rotates every round, so no key always runs first (cold) or right after the same neighbour.
+    `before[key]`, where given, runs untimed right before each call of `key` (e.g. to reset a KV cache).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -64,6 +71,8 @@ def interleaved(calls: Mapping[str, Callable[[], object]], repeats: int, warmup:
     for round_ in range(warmup + repeats):
         shift = round_ % len(keys) if keys else 0
         for key in keys[shift:] + keys[:shift]:
+            if before and key in before:
+                before[key]()
             sync()
             start = time.perf_counter()
             calls[key]()
