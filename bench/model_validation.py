@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from lab import list_lab_namespaces, terminate_on_signals  # noqa: E402
 from runs import SKIP_STEPS, measured, threads_per_worker, train_on_lab  # noqa: E402
 
-from netgain.comm.codecs import make_codec  # noqa: E402
+from netgain.comm.codecs import codec_profile, make_codec  # noqa: E402
 from netgain.cost import network as net  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                         limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
                         print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, "
                               f"compute {limit['compute_s']:.3f} s", flush=True)
-                    profile = net.profile_codec(make_codec(name, **params), n, "calibrate",
+                    profile = codec_profile(make_codec(name, **params), n, "calibrate",
                                                 calibration_numel=max(buckets),
                                                 threads=threads_per_worker(n))
                     for rate in args.rates:

@@ -66,7 +66,7 @@ def adaptive_run(rank, world_size, mode, force_mismatch=False):
     plans = []
     for step in range(6):
         if force_mismatch and rank == 1 and step == 4:
-            state.planner.codec_for = lambda index, numel: GlobalQSGD(2)
+            state.chooser.codec_for = lambda index, numel: GlobalQSGD(2)
         model.zero_grad()
         time.sleep(0.01 * rank)  # ranks reach the collectives at different times
         model(step, rank).backward()

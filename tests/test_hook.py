@@ -170,6 +170,6 @@ def test_warmup_then_statistics():
 
 
 def test_state_pickles_without_process_group():
-    state = comm.CommState(comm.make_codec("topk"), warmup_steps=2)
+    state = comm.CommState(comm.TopKConfig(), warmup_steps=2)
     clone = pickle.loads(pickle.dumps(state))
-    assert clone.warmup_steps == 2 and clone.codec.describe() == "topk(ratio=0.01)"
+    assert clone.config == comm.CommConfig(comm.TopKConfig(0.01), warmup_steps=2) and clone.describe() == "topk(ratio=0.01)"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from netgain import cli
-from netgain.comm.codecs import make_codec
+from netgain.comm.codecs import codec_profile, make_codec
 from netgain.cost import advise, network as net
 
 MBIT100 = net.Link("100mbit", 100e6 / 8, 0.0)
@@ -58,7 +58,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="latency"):
         net.parse_duration("30 parsecs")
     with pytest.raises(ValueError, match="cost"):
-        net.profile_codec(make_codec("none"), 2, cost="guess")
+        codec_profile(make_codec("none"), 2, cost="guess")
 
 
 def test_parsers():
@@ -173,14 +173,14 @@ def test_memory_bound_cost_and_compute_estimate():
 
 
 def test_profiles_of_real_codecs():
-    free = {name: net.profile_codec(make_codec(name, encoding="int8"), 4, "free")
+    free = {name: codec_profile(make_codec(name, encoding="int8"), 4, "free")
             for name in ("none", "fp16", "gqsgd", "qsgd", "gqsgd-exp")}
     assert free["none"].wire_bits == 32 and free["none"].header_bytes == 0
     assert free["fp16"].wire_bits == 16
     assert free["gqsgd"].wire_bits == 8 and free["gqsgd"].header_bytes == net.HEADER_BYTES
     assert free["qsgd"].collective == "allgather" and free["gqsgd-exp"].collective == "ring"
     torch.manual_seed(0)
-    timed = net.profile_codec(make_codec("fp16"), 2, "calibrate", calibration_numel=4096)
+    timed = codec_profile(make_codec("fp16"), 2, "calibrate", calibration_numel=4096)
     assert timed.encode_s_per_elem > 0 and timed.decode_s_per_elem > 0
 
 

@@ -527,10 +527,10 @@ class Trainer:
             self.comm_state = comm.baselines.register(self.ddp, config.codec, rank=config.powersgd_rank,
                                                       warmup_steps=config.warmup_steps)
         else:
-            self.comm_state = comm.register(self.ddp, codec=config.codec, bits=config.bits,
-                                            encoding=config.encoding, ratio=config.ratio,
-                                            warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed,
-                                            comm_budget_ms=config.comm_budget_ms, replan_every=config.replan_every)
+            self.comm_state = comm.register(self.ddp, config.codec, bits=config.bits, encoding=config.encoding,
+                                            ratio=config.ratio, budget_ms=config.comm_budget_ms,
+                                            replan_every=config.replan_every, warmup_steps=config.warmup_steps,
+                                            skip_1d=config.skip_1d, seed=config.seed)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
 
@@ -583,9 +583,8 @@ class Trainer:
         return (total / self.world_size).tolist()
 
     def save_checkpoint(self, path: str, step: int) -> None:
-        """Every rank's codec state (error feedback differs per rank) goes into one file."""
-        comm_states = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(_to_cpu(self.comm_state.state_dict()), comm_states, dst=0)
+        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective)."""
+        comm_states = self.comm_state.state_dict()
         if self.rank == 0:
             checkpoint = {"step": step, "world_size": self.world_size, "config": asdict(self.config),
                           "model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -603,18 +602,8 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.lr
-        self.comm_state.load_state_dict(checkpoint["comm"][self.rank])
+        self.comm_state.load_state_dict(checkpoint["comm"])
         return checkpoint["step"]
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {key: _to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(value) for value in obj)
-    return obj
 
 
 def _progress(steps: range, enabled: bool):

@@ -1,4 +1,4 @@
-"""Kimad: bandwidth-aware adaptive compression (papers/kimad.md).
+"""Kimad: bandwidth-aware adaptive compression (../shared/papers/kimad.md).
 
 Each step the ranks agree on the link's bandwidth (BandwidthMonitor); the communication budget
 is bandwidth x a time target (given, or the measured backward time so communication hides under
@@ -23,13 +23,17 @@ import torch
 from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor
-from .codecs import Codec, GlobalQSGD, NoCompression, TopK
+from .codecs import Codec, GlobalQSGD, NoCompression, TopK, codec_profile
 from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
 
 
 class AdaptivePlanner:
+    """Picks each bucket's codec per step behind the same interface as codecs.FixedChoice."""
+
+    checked = True  # every bucket's choice is compared across ranks in its header
+
     def __init__(self, mode: str = "kimad+", *, time_budget_s: float | None = None, replan_every: int = 10,
                  replan_threshold: float = 0.2, bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8),
                  topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1), monitor: BandwidthMonitor | None = None):
@@ -43,6 +47,7 @@ class AdaptivePlanner:
         self.replan_every, self.replan_threshold = replan_every, replan_threshold
         self.options: list[Codec] = ([NoCompression()] + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)])
+        self.uses_feedback = any(option.uses_feedback for option in self.options)
         self.monitor = monitor or BandwidthMonitor()
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
         self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error per option
@@ -64,6 +69,13 @@ class AdaptivePlanner:
             return self.options[0]
         return planned[1]
 
+    def describe(self) -> str:
+        return self.mode
+
+    def attach(self, communicator) -> None:
+        """Every payload collective of the hook becomes a bandwidth sample."""
+        communicator.observer = self.monitor.observe
+
     def wants_errors(self, step: int) -> bool:
         return self._stale or (step + 1) % self.replan_every == 0
 
@@ -72,7 +84,14 @@ class AdaptivePlanner:
         self._local_errors[index] = [option_error(option, x) for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
-    def end_step(self, link, step: int, backward_s: float) -> None:
+    def end_step(self, link, step: int, backward_s: float) -> dict:
+        observer, link.observer = link.observer, None  # the planner's own small collectives are not samples
+        try:
+            return self._end_step(link, step, backward_s)
+        finally:
+            link.observer = observer
+
+    def _end_step(self, link, step: int, backward_s: float) -> dict:
         local_bandwidth, local_latency = self.monitor.local_estimate()
         # MAX of bandwidth and backward time, MIN of latency (as -MAX of -latency): the least-waiting rank's view
         agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, -local_latency], dtype=torch.float64),
@@ -95,6 +114,15 @@ class AdaptivePlanner:
         self.last = {"bandwidth_Bps": bandwidth, "budget_s": self.budget_s(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
                      "predicted_comm_s": self._predicted}
+        return self.last
+
+    def state_dict(self) -> dict:
+        """What every rank agreed on (identical everywhere): the link estimate and the compute time."""
+        return {"bandwidth": self.monitor.bandwidth, "latency": self.monitor.latency, "backward_s": self._backward_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.monitor.bandwidth, self.monitor.latency = state["bandwidth"], state["latency"]
+        self._backward_s = state["backward_s"]
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
@@ -125,7 +153,7 @@ class AdaptivePlanner:
         n = link.world_size
         if n in self._profiles:
             return
-        local = [network.profile_codec(o, n, calibration_numel=1 << 18) for o in self.options]
+        local = [codec_profile(o, n, calibration_numel=1 << 18) for o in self.options]
         costs = torch.tensor([[p.encode_s_per_elem, p.decode_s_per_elem] for p in local], dtype=torch.float64)
         costs = link.allreduce(costs, torch.distributed.ReduceOp.MAX).tolist()
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)

@@ -1,13 +1,14 @@
-"""Gradient codecs: one flat bucket -> one payload tensor -> the mean over workers.
+"""Gradient codecs: one whole flat bucket -> one payload tensor -> the mean over workers, in place.
 
 A codec declares how its payloads are aggregated (``collective``: allreduce, allgather or ring),
 its wire cost (``wire_bits(world_size)``: payload bits per gradient element each rank
-contributes, per-bucket scalars excluded) and whether its estimate of the mean is unbiased. It
-encodes on the sending side and decodes what the collective returns; it never talks to the
-network itself (see collectives.Link), which keeps every codec a few lines of arithmetic.
+contributes, per-bucket tables excluded) and whether its estimate of the mean is unbiased. It
+encodes the bucket in one pass (fused.py) and decodes what the collective returns straight into
+the bucket's buffer; it never talks to the network itself (collectives.Communicator).
 
-Codecs with ``needs_header`` get ctx.scale = the global max |g| of their parameter (one allreduce
-MAX per bucket of every parameter's max, plus the non-finite flag and the plan check).
+Per-parameter values reach each element through the bucket's Segments, so a codec's result does
+not depend on how DDP groups parameters into buckets. Codecs with ``needs_scales`` get
+ctx.scales = the global max |g| of every parameter (the hook's header allreduce MAX).
 """
 
 from __future__ import annotations
@@ -20,23 +21,29 @@ from typing import ClassVar
 
 import torch
 
+from . import fused
 from . import quantize as Q
 from .feedback import EF21
+from .fused import Segments
+from ..cost import network
 
 BITS_RANGE = range(2, 9)
 ENCODINGS = ("packed", "int8")
+TOPK_SAMPLES = 2048  # per parameter: the top-k threshold is estimated from this many residuals
 
 
 @dataclass
 class Context:
-    """What a codec may use for one bucket in one step (built by the hook, or by time_codec)."""
+    """What a codec may use for one bucket in one step (built by the pipeline, or by time_codec)."""
 
     world_size: int
-    generator: torch.Generator          # this rank's own rounding noise
-    shared_seed: int = 0                # identical on every rank for this bucket and step
-    scale: float = 0.0                  # global max |g| of this parameter (codecs with needs_header)
+    segments: Segments
+    noise_keys: torch.Tensor             # int32 per parameter: this rank's rounding noise
+    shared_keys: torch.Tensor            # int32 per parameter: identical on every rank
+    scales: torch.Tensor | None = None   # float32 per parameter: global max |g| (codecs with needs_scales)
     feedback: EF21 | None = None
-    sent: tuple | None = None           # (index, values) this rank sent, for EF21
+    tables: dict = field(default_factory=dict)  # per bucket layout: a codec's own index tables
+    sent: tuple | None = None            # what this rank sent, for EF21
     seconds: dict = field(default_factory=lambda: {"encode_s": 0.0, "decode_s": 0.0})
 
     @contextmanager
@@ -45,13 +52,23 @@ class Context:
         yield
         self.seconds[key] += time.perf_counter() - start
 
+    def table(self, key, build):
+        if key not in self.tables:
+            self.tables[key] = build()
+        return self.tables[key]
+
 
 class Codec:
     name: ClassVar[str]
     collective: ClassVar[str]          # "allreduce" | "allgather" | "ring"
     unbiased: ClassVar[bool]
-    needs_header: ClassVar[bool] = True
+    needs_scales: ClassVar[bool] = True
     uses_feedback: ClassVar[bool] = False
+
+    @property
+    def needs_header(self) -> bool:
+        """A header allreduce first: the global scales, or a NaN check before EF21 state is touched."""
+        return self.needs_scales or self.uses_feedback
 
     def wire_bits(self, world_size: int) -> float:
         raise NotImplementedError
@@ -59,7 +76,8 @@ class Codec:
     def encode(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, aggregated: torch.Tensor, numel: int, ctx: Context) -> torch.Tensor:
+    def decode(self, aggregated: torch.Tensor, out: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Write the mean over workers into ``out`` (the bucket's buffer) and return it."""
         raise NotImplementedError
 
     def params(self) -> dict:
@@ -72,30 +90,30 @@ class Codec:
 
 
 class NoCompression(Codec):
-    """fp32 allreduce of grad / n: the plain DDP baseline. 32 bits/element, exact."""
+    """fp32 allreduce of grad / n in the bucket's own buffer: what DDP does. 32 bits/element, exact."""
 
-    name, collective, unbiased, needs_header = "none", "allreduce", True, False
+    name, collective, unbiased, needs_scales = "none", "allreduce", True, False
 
     def wire_bits(self, world_size):
         return 32.0
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            return x / ctx.world_size
+            return x.div_(ctx.world_size)
 
-    def decode(self, aggregated, numel, ctx):
-        return aggregated
+    def decode(self, aggregated, out, ctx):
+        return out if aggregated is out else out.copy_(aggregated)
 
 
 class Cast(Codec):
-    """Cast to 16 bits, allreduce, cast back. 16 bits/element.
+    """Divide by n and cast to 16 bits in one pass, allreduce, cast back into the bucket. 16 bits/element.
 
-    Divides by n BEFORE the sum so fp16 cannot overflow where fp32 would not. Round-to-nearest
-    is deterministic: biased by at most half a unit in the last place (2^-11 relative for fp16,
+    Dividing BEFORE the sum keeps fp16 from overflowing where fp32 would not. Round-to-nearest is
+    deterministic: biased by at most half a unit in the last place (2^-11 relative for fp16,
     2^-8 for bf16) per addition.
     """
 
-    collective, unbiased, needs_header = "allreduce", False, False
+    collective, unbiased, needs_scales = "allreduce", False, False
 
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
@@ -105,58 +123,22 @@ class Cast(Codec):
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            return (x / ctx.world_size).to(self.dtype)
+            return fused.cast_scaled(x, 1.0 / ctx.world_size, self.dtype)
 
-    def decode(self, aggregated, numel, ctx):
+    def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return aggregated.to(torch.float32)
-
-
-class Int8Codes(Codec):
-    """Codecs whose codes travel as int8 whatever ``bits`` (2^(bits-1)-1 levels per sign): 8 bits/element."""
-
-    def __init__(self, bits: int = 8):
-        self.bits, self.levels = bits, Q.levels_per_side(bits)
-
-    def params(self):
-        return {"bits": self.bits}
-
-    def wire_bits(self, world_size):
-        return 8.0
-
-
-class QSGD(Int8Codes):
-    """Classic QSGD: each worker's own scale (its max |g|), 2^(b-1)-1 levels per sign, stochastic
-    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
-    Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
-    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
-    """
-
-    name, collective, unbiased = "qsgd", "allgather", True
-
-    def encode(self, x, ctx):
-        with ctx.timed("encode_s"):
-            own_scale = x.abs().max().reshape(1)
-            step = own_scale / self.levels if own_scale > 0 else torch.ones(1, device=x.device)
-            codes = Q.stochastic_round(x / step, ctx.generator).to(torch.int8)
-            return torch.cat([codes, own_scale.to(torch.float32).view(torch.int8)])
-
-    def decode(self, aggregated, numel, ctx):
-        with ctx.timed("decode_s"):
-            codes = aggregated[:, :numel].to(torch.float32)
-            scales = aggregated[:, numel:].contiguous().view(torch.float32)  # (n, 1)
-            return (codes * (scales / self.levels)).mean(dim=0)
+            return out.copy_(aggregated)
 
 
 class GlobalQSGD(Codec):
-    """Global-QSGD standard dithering: one global scale, so integer codes add up in a native SUM.
+    """Global-QSGD standard dithering: one global scale per parameter, so integer codes add up in a native SUM.
 
     encoding="packed": 2^(b-1)-1 levels per sign per worker, offset codes packed into int32/int64
-        words with fields wide enough that the SUM of n workers never carries (quantize.pack);
+        words with fields wide enough that the SUM of n workers never carries (quantize.word_layout);
         wire bits = word bits / fields per word, e.g. 9.1 at b=8, n<=2; 10.7 at n=3,4.
     encoding="int8" (b=8, the paper's layout): floor(127/n) levels per worker, so the int8 SUM
         stays within +-127 for any n <= 127. Wire: 8 bits/element.
-    Unbiased; |error| <= scale / levels per element, plus one fp32 header per bucket.
+    Unbiased; |error| <= scale / levels per element.
     """
 
     name, collective, unbiased = "gqsgd", "allreduce", True
@@ -185,24 +167,60 @@ class GlobalQSGD(Codec):
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            levels = self.levels(ctx.world_size)
-            codes = Q.stochastic_round(x * (levels / ctx.scale), ctx.generator)
+            levels, s = self.levels(ctx.world_size), ctx.segments
+            multiplier = levels / ctx.scales
             if self.encoding == "int8":
-                return codes.to(torch.int8)
-            return Q.pack((codes + levels).to(torch.int32), levels, ctx.world_size)
+                return fused.round_int8(x, s.seg, s.starts, multiplier, ctx.noise_keys, levels)
+            dtype, width, per_word = Q.word_layout(levels, ctx.world_size)
+            return fused.round_packed(x, s.seg, s.starts, multiplier, ctx.noise_keys, levels, per_word, width,
+                                      dtype == torch.int64)
 
-    def decode(self, aggregated, numel, ctx):
+    def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            n, levels = ctx.world_size, self.levels(ctx.world_size)
+            n, levels, s = ctx.world_size, self.levels(ctx.world_size), ctx.segments
+            factor = ctx.scales / (levels * n)
             if self.encoding == "int8":
-                sums = aggregated.to(torch.float32)
-            else:
-                sums = (Q.unpack(aggregated, levels, n, numel) - n * levels).to(torch.float32)
-            return sums * (ctx.scale / (levels * n))
+                return fused.scale_into(out, aggregated, s.seg, factor)
+            _, width, per_word = Q.word_layout(levels, n)
+            return fused.unpack_scale_into(out, aggregated, s.seg, factor, n * levels, per_word, width)
 
 
-class GlobalQSGDExp(Int8Codes):
-    """Global-QSGD exponential dithering: power-of-two levels against the global scale.
+class QSGD(Codec):
+    """Classic QSGD: each worker's own scale per parameter, 2^(b-1)-1 levels per sign, stochastic
+    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
+    Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
+    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
+    """
+
+    name, collective, unbiased, needs_scales = "qsgd", "allgather", True, False
+
+    def __init__(self, bits: int = 8):
+        self.bits, self.levels = bits, Q.levels_per_side(bits)
+
+    def params(self):
+        return {"bits": self.bits}
+
+    def wire_bits(self, world_size):
+        return 8.0
+
+    def encode(self, x, ctx):
+        with ctx.timed("encode_s"):
+            s = ctx.segments
+            own = s.absmax(x)
+            own = torch.where(own > 0, own, torch.ones_like(own))
+            codes = fused.round_int8(x, s.seg, s.starts, self.levels / own, ctx.noise_keys, self.levels)
+            return torch.cat([codes, own.view(torch.int8)])
+
+    def decode(self, aggregated, out, ctx):
+        with ctx.timed("decode_s"):
+            numel, seg = out.numel(), ctx.segments.seg.long()
+            codes = aggregated[:, :numel].float()
+            factor = aggregated[:, numel:].contiguous().view(torch.float32) / (self.levels * ctx.world_size)
+            return out.copy_((codes * factor[:, seg]).sum(0))
+
+
+class GlobalQSGDExp(Codec):
+    """Global-QSGD exponential dithering: power-of-two levels against the global scale per parameter.
 
     Sums of powers of two are not powers of two, so a native SUM cannot add the codes: a ring
     reduce-scatter decodes, adds and re-encodes (unbiased stochastic rounding) at every hop, then
@@ -212,22 +230,39 @@ class GlobalQSGDExp(Int8Codes):
 
     name, collective, unbiased = "gqsgd-exp", "ring", True
 
+    def __init__(self, bits: int = 8):
+        self.bits, self.levels = bits, Q.levels_per_side(bits)
+
+    def params(self):
+        return {"bits": self.bits}
+
+    def wire_bits(self, world_size):
+        return 8.0
+
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            return Q.exp_encode(x / ctx.scale, Q.exp_top_exponent(ctx.world_size), self.levels, ctx.generator)
+            s = ctx.segments
+            noise = fused.uniform_noise(x, s.seg, s.starts, ctx.noise_keys)
+            top = Q.exp_top_exponent(ctx.world_size)
+            return Q.exp_encode(x / ctx.scales[s.seg.long()], top, self.levels, noise)
 
-    def combine(self, a, b, ctx):
+    def combine(self, a, b, hop_key: int, ctx):
+        """Merge two chunks of codes at one ring hop; the noise is keyed by the hop and this rank."""
         with ctx.timed("decode_s"):
             top = Q.exp_top_exponent(ctx.world_size)
-            return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, self.levels, ctx.generator)
+            counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ (ctx.noise_keys[0] ^ hop_key)
+            return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, self.levels, fused.uniform(counter))
 
-    def decode(self, aggregated, numel, ctx):
+    def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return Q.exp_decode(aggregated, Q.exp_top_exponent(ctx.world_size)) * (ctx.scale / ctx.world_size)
+            top = Q.exp_top_exponent(ctx.world_size)
+            return fused.scale_into(out, Q.exp_decode(aggregated, top), ctx.segments.seg,
+                                    ctx.scales / ctx.world_size)
 
 
 class Sparsifier(Codec):
-    """Shared by top-k and random-k: k = ceil(ratio * numel) coordinates of grad - g_i, EF21."""
+    """Shared by top-k and random-k: k_p = ceil(ratio * numel_p) coordinates of each parameter's
+    EF21 residual grad - g_i, placed in fixed slots (offsets `kofs`) of one payload per bucket."""
 
     unbiased, uses_feedback = False, True
 
@@ -242,52 +277,132 @@ class Sparsifier(Codec):
     def k(self, numel: int) -> int:
         return max(1, math.ceil(self.ratio * numel))
 
+    def slots(self, s: Segments) -> dict:
+        """k per parameter, the first slot of each parameter and the parameter of every slot."""
+        k = torch.clamp(torch.ceil(self.ratio * s.sizes.double()).long(), min=1)
+        kofs = k.cumsum(0) - k
+        slot_seg = torch.repeat_interleave(torch.arange(s.count, device=k.device), k)
+        within = torch.arange(slot_seg.numel(), device=k.device) - kofs[slot_seg]
+        return {"k": k, "kofs": kofs, "slot_seg": slot_seg, "within": within, "total": int(k.sum())}
+
 
 class TopK(Sparsifier):
-    """Top-k of the EF21 residual; supports differ per worker, so allgather (int32 index + fp32
-    value per kept element): 64 * ratio bits/element. Biased; EF21 keeps what it drops."""
+    """Top-k of each parameter's EF21 residual; supports differ per worker, so allgather (int32
+    index + fp32 value per kept element): 64 * ratio bits/element. Biased; EF21 keeps what it drops.
 
-    name, collective = "topk", "allgather"
+    Selection is a sampled threshold: each parameter's threshold is the (1 - k/numel) quantile of
+    TOPK_SAMPLES of its residuals (all of them in smaller parameters, where it is exact up to
+    ties); the first k coordinates at or above it are sent, unused slots send a zero.
+    """
+
+    name, collective, needs_scales = "topk", "allgather", False
 
     def wire_bits(self, world_size):
         return 64.0 * self.ratio
 
+    def _tables(self, s: Segments) -> dict:
+        tables = self.slots(s)
+        samples = torch.clamp(s.sizes, max=TOPK_SAMPLES)
+        j = torch.arange(TOPK_SAMPLES, device=s.sizes.device)
+        valid = j[None, :] < samples[:, None]
+        spread = (j[None, :] * s.sizes[:, None]) // samples[:, None]  # evenly spread inside the parameter
+        tables["sample_index"] = torch.where(valid, s.starts.long()[:, None] + spread, 0)
+        tables["sample_valid"] = valid
+        # rank of the threshold among the sorted samples: the sample fraction k/numel lies above it
+        rank = torch.ceil(samples.double() * tables["k"] / s.sizes).long() - 1
+        tables["rank"] = torch.clamp(rank, 0)
+        tables["top"] = int(tables["rank"].max()) + 1  # only that many of the largest samples are needed
+        return tables
+
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            residual = ctx.feedback.residual(x)
-            index = residual.abs().topk(self.k(x.numel()), sorted=False).indices
-            ctx.sent = (index, residual[index])
-            return torch.cat([index.to(torch.int32), residual[index].view(torch.int32)])
+            s, fb = ctx.segments, ctx.feedback
+            t = ctx.table(self.describe(), lambda: self._tables(s))
+            sampled = (x[t["sample_index"]] - fb.local[t["sample_index"]]).abs()
+            sampled = torch.where(t["sample_valid"], sampled, -1.0).topk(t["top"], dim=1).values
+            threshold = sampled.gather(1, t["rank"][:, None]).squeeze(1)
+            chosen = fused.at_or_above(x, fb.local, s.seg, threshold).nonzero().squeeze(1)
+            seg_of = s.seg[chosen].long()
+            first = torch.searchsorted(chosen, s.starts.long())  # where each parameter's picks begin
+            within = torch.arange(chosen.numel(), device=x.device) - first[seg_of]
+            keep = within < t["k"][seg_of]
+            index = s.starts.long()[t["slot_seg"]]              # unused slots: a zero at the parameter's start
+            index[t["kofs"][seg_of[keep]] + within[keep]] = chosen[keep]
+            values = x[index] - fb.local[index]
+            values = torch.where(t["within"] < torch.bincount(seg_of[keep], minlength=s.count)[t["slot_seg"]],
+                                 values, 0.0)
+            ctx.sent = (index, values)
+            return torch.cat([index.to(torch.int32), values.view(torch.int32)])
 
-    def decode(self, aggregated, numel, ctx):
+    def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
             k = aggregated.shape[1] // 2
-            index = aggregated[:, :k].reshape(-1).to(torch.int64)
+            index = aggregated[:, :k].reshape(-1).long()
             values = aggregated[:, k:].contiguous().view(torch.float32).reshape(-1) / ctx.world_size
-            return ctx.feedback.advance(*ctx.sent, index, values)
+            return ctx.feedback.advance(*ctx.sent, index, values, out)
 
 
 class RandomK(Sparsifier):
-    """Random-k with a seed shared by all ranks for this bucket and step, so every worker picks the
-    same coordinates and the values add up in a native SUM: 32 * ratio bits/element. Biased
-    (unscaled); EF21 keeps what it drops."""
+    """Random-k: per parameter and step, a comb of k coordinates (stride numel // k, random offset)
+    drawn from keys shared by all ranks, so every worker picks the same coordinates and the values
+    add up in a native SUM: 32 * ratio bits/element. Every coordinate is picked with probability
+    k/numel. Biased (unscaled); EF21 keeps what it drops.
+    """
 
-    name, collective = "randomk", "allreduce"
+    name, collective, needs_scales = "randomk", "allreduce", False
 
     def wire_bits(self, world_size):
         return 32.0 * self.ratio
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            shared = torch.Generator(device=x.device).manual_seed(ctx.shared_seed)
-            index = torch.randperm(x.numel(), generator=shared, device=x.device)[: self.k(x.numel())]
-            values = ctx.feedback.residual(x)[index]
+            s, fb = ctx.segments, ctx.feedback
+            t = ctx.table(self.describe(), lambda: self.slots(s))
+            offset = (fused.hash32(ctx.shared_keys).long() & 0x7FFFFFFF) % s.sizes  # per parameter
+            stride = s.sizes // t["k"]
+            seg = t["slot_seg"]
+            index = s.starts.long()[seg] + (offset[seg] + t["within"] * stride[seg]) % s.sizes[seg]
+            values = x[index] - fb.local[index]
             ctx.sent = (index, values)
             return values / ctx.world_size
 
-    def decode(self, aggregated, numel, ctx):
+    def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return ctx.feedback.advance(*ctx.sent, ctx.sent[0], aggregated)
+            return ctx.feedback.advance(*ctx.sent, ctx.sent[0], aggregated, out)
+
+
+class FixedChoice:
+    """The chooser of a fixed codec: every bucket, every step, the same codec (see AdaptivePlanner)."""
+
+    checked = False  # nothing to agree on per bucket: ranks compared the whole config before step 0
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.uses_feedback = codec.uses_feedback
+
+    def attach(self, communicator) -> None:
+        pass
+
+    def codec_for(self, index: int, numel: int) -> Codec:
+        return self.codec
+
+    def wants_errors(self, step: int) -> bool:
+        return False
+
+    def observe(self, index: int, x: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, communicator, step: int, backward_s: float) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return self.codec.describe()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def _factories():
@@ -316,30 +431,73 @@ def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: flo
     return factories[name](bits, encoding, ratio)
 
 
-def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0) -> dict:
-    """Median encode and decode seconds for one bucket of ``numel`` on this machine, in-process.
+def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,
+               parameters: int = 1) -> dict:
+    """Median encode and decode seconds for one bucket of ``numel`` (``parameters`` equal parts), in-process.
 
+    encode_s includes the per-parameter max |g| that the header needs (codecs with needs_scales).
     The aggregated payload is faked as n copies of one worker's payload (a valid input for every
     codec: integer sums stay within their bounds); for the ring codec, decode includes the n - 1
-    per-hop combines of one chunk each.
+    per-hop combines of one chunk each. The first call (the compile, where one happens) is not timed.
     """
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=generator)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    sizes = [numel // parameters] * parameters
+    sizes[-1] += numel - sum(sizes)
+    segments = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(parameters)], "cpu")
+    tables: dict = {}
     encode_s, decode_s = [], []
-    for _ in range(repeats):
-        ctx = Context(world_size, generator, shared_seed=seed, scale=float(x.abs().max()),
+    for trial in range(repeats + 1):
+        ctx = Context(world_size, segments, fused.step_keys(segments.keys, seed, trial, 0),
+                      fused.step_keys(segments.keys, seed, trial, -1), tables=tables,
                       feedback=EF21(numel) if codec.uses_feedback else None)
-        payload = codec.encode(x, ctx)
+        bucket = x.clone()
+        start = time.perf_counter()
+        if codec.needs_scales:
+            ctx.scales = segments.absmax(bucket)
+        ctx.seconds["encode_s"] += time.perf_counter() - start
+        payload = codec.encode(bucket, ctx)
         if codec.collective == "allreduce":
-            aggregated = payload * world_size
+            aggregated = payload if payload is bucket else payload * world_size
         elif codec.collective == "allgather":
             aggregated = payload.expand(world_size, *payload.shape).contiguous()
         else:
             chunk = payload[: math.ceil(numel / world_size)]
-            for _ in range(world_size - 1):
-                codec.combine(chunk, chunk, ctx)
+            for hop in range(world_size - 1):
+                codec.combine(chunk, chunk, hop, ctx)
             aggregated = payload
-        codec.decode(aggregated, numel, ctx)
-        encode_s.append(ctx.seconds["encode_s"])
-        decode_s.append(ctx.seconds["decode_s"])
+        codec.decode(aggregated, bucket, ctx)
+        if trial:
+            encode_s.append(ctx.seconds["encode_s"])
+            decode_s.append(ctx.seconds["decode_s"])
     return {"encode_s": sorted(encode_s)[repeats // 2], "decode_s": sorted(decode_s)[repeats // 2]}
+
+
+def codec_profile(codec: Codec, world_size: int, cost: "str | network.Gpu" = "calibrate",
+                  calibration_numel: int | None = None, threads: int | None = None) -> network.CodecProfile:
+    """The cost model's view of a codec at ``world_size``, as data (netgain.cost knows no codecs).
+
+    cost: "calibrate" times encode/decode on this machine (the fastest of 3 medians, at
+    ``threads`` torch threads: a lab worker's share of the cores); a Gpu: a fused kernel limited by
+    memory traffic (network.memory_bound_cost); "free": codec work costs nothing.
+    """
+    network.check_world(world_size)
+    wire_bits = codec.wire_bits(world_size)
+    header = network.HEADER_BYTES if codec.needs_header else 0
+    name = codec.describe()
+    if isinstance(cost, network.Gpu):
+        enc, dec, comb = network.memory_bound_cost(wire_bits, codec.collective, world_size,
+                                                   codec.needs_scales, cost.memory_bandwidth)
+        return network.CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb)
+    if cost == "free":
+        return network.CodecProfile(name, wire_bits, codec.collective, header)
+    if cost != "calibrate":
+        raise ValueError(f"cost: must be a Gpu or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
+    numel = calibration_numel or max(2**14, 2**22 // world_size)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        runs = [time_codec(codec, numel, world_size, repeats=3) for _ in range(3)]
+    finally:
+        torch.set_num_threads(previous)
+    enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
+    return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)

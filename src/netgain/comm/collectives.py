@@ -1,7 +1,8 @@
 """Collectives as the codecs need them, timed, over one process group.
 
-`Link` counts the payload bytes this rank contributes and the seconds spent waiting on the
-network, so the hook can report them per bucket. Three aggregation patterns:
+`Communicator` launches a codec's payload collective asynchronously (a future, so the pipeline can
+encode the next bucket while this one is on the wire) and runs the small header and planner
+collectives synchronously. Three aggregation patterns:
   allreduce  - payloads add up under a native SUM (fp32/fp16, integer codes with a global scale);
   allgather  - payloads that cannot be added (per-worker scales, different sparse supports);
   ring       - a ring reduce-scatter over point-to-point send/recv where each hop merges two
@@ -18,47 +19,65 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed all_gather_into_tensor (which warns there) to all_gather_single
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Link:
+class Communicator:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bytes_sent = 0
-        self.seconds = 0.0
         self.observer: Callable[[str, int, float, int], None] | None = None  # e.g. a BandwidthMonitor
 
-    def _timed(self, collective: str, payload_bytes: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        start = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - start
-        self.seconds += seconds
-        self.bytes_sent += payload_bytes
+    def _seen(self, collective: str, payload_bytes: int, seconds: float) -> None:
         if self.observer is not None:
             self.observer(collective, payload_bytes, seconds, self.world_size)
-        return out
 
-    def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place native allreduce; returns the tensor."""
-        def run():
-            dist.all_reduce(tensor, op=op, group=self.group)
-            return tensor
-        return self._timed("allreduce", tensor.numel() * tensor.element_size(), run)
+    def start(self, collective: str, payload: torch.Tensor, record: dict,
+              combine: Callable | None = None) -> torch.futures.Future:
+        """Launch the payload's collective; the future's value is the aggregated tensor.
 
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's tensor, stacked: shape (world_size, *tensor.shape)."""
-        def run():
-            out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-            _all_gather_flat(out, tensor.contiguous(), group=self.group)
-            return out.view(self.world_size, *tensor.shape)
-        return self._timed("allgather", tensor.numel() * tensor.element_size(), run)
+        record["wire_bytes"] and, on completion, record["comm_s"] are filled in.
+        """
+        payload_bytes = payload.numel() * payload.element_size()
+        record["wire_bytes"] = record.get("wire_bytes", 0) + payload_bytes
+        start = time.perf_counter()
+        if collective == "ring":  # point-to-point hops with a combine in between: run here, in order
+            result = self.ring_allreduce(payload, combine)
+            done = torch.futures.Future()
+            done.set_result(result)
+            work_future, value = done, result
+        elif collective == "allreduce":
+            work_future = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
+            value = payload
+        else:
+            gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+            work_future = _all_gather_flat(gathered, payload, group=self.group, async_op=True).get_future()
+            value = gathered.view(self.world_size, *payload.shape)
 
-    def ring_allreduce(self, codes: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Reduce ``codes`` across ranks with ``combine`` (associative in expectation); same result on every rank."""
+        def finished(future):
+            future.value()  # re-raises a failed collective
+            seconds = time.perf_counter() - start
+            record["comm_s"] = record.get("comm_s", 0.0) + seconds
+            self._seen(collective, payload_bytes, seconds)
+            return value
+
+        return work_future.then(finished)
+
+    def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, record: dict | None = None) -> torch.Tensor:
+        """Blocking in-place native allreduce (headers, the planner); returns the tensor."""
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=op, group=self.group)
+        seconds = time.perf_counter() - start
+        if record is not None:
+            record["wire_bytes"] = record.get("wire_bytes", 0) + tensor.numel() * tensor.element_size()
+            record["comm_s"] = record.get("comm_s", 0.0) + seconds
+        self._seen("allreduce", tensor.numel() * tensor.element_size(), seconds)
+        return tensor
+
+    def ring_allreduce(self, codes: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        """Reduce ``codes`` across ranks with ``combine(a, b, hop)`` (associative in expectation); same result on every rank."""
         n, rank = self.world_size, self.rank
         numel = codes.numel()
         chunk = math.ceil(numel / n)
@@ -66,22 +85,18 @@ class Link:
         padded[:numel] = codes
         chunks = list(padded.view(n, chunk))
         right, left = (rank + 1) % n, (rank - 1) % n
-
-        def run():
-            received = torch.empty(chunk, dtype=codes.dtype, device=codes.device)
-            for hop in range(n - 1):
-                send_index, recv_index = (rank - hop) % n, (rank - hop - 1) % n
-                requests = [dist.isend(chunks[send_index], self._global(right), group=self.group),
-                            dist.irecv(received, self._global(left), group=self.group)]
-                for request in requests:
-                    request.wait()
-                chunks[recv_index] = combine(chunks[recv_index], received)
-            owned = chunks[(rank + 1) % n]  # fully reduced after n - 1 hops
-            gathered = torch.empty(n * chunk, dtype=codes.dtype, device=codes.device)
-            _all_gather_flat(gathered, owned.contiguous(), group=self.group)
-            return gathered.view(n, chunk).roll(1, dims=0).reshape(-1)[:numel]  # rank j owned chunk j + 1
-
-        return self._timed("ring", numel * codes.element_size(), run)
+        received = torch.empty(chunk, dtype=codes.dtype, device=codes.device)
+        for hop in range(n - 1):
+            send_index, recv_index = (rank - hop) % n, (rank - hop - 1) % n
+            requests = [dist.isend(chunks[send_index], self._global(right), group=self.group),
+                        dist.irecv(received, self._global(left), group=self.group)]
+            for request in requests:
+                request.wait()
+            chunks[recv_index] = combine(chunks[recv_index], received, hop)
+        owned = chunks[(rank + 1) % n]  # fully reduced after n - 1 hops
+        gathered = torch.empty(n * chunk, dtype=codes.dtype, device=codes.device)
+        _all_gather_flat(gathered, owned.contiguous(), group=self.group)
+        return gathered.view(n, chunk).roll(1, dims=0).reshape(-1)[:numel]  # rank j owned chunk j + 1
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

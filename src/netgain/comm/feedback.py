@@ -3,6 +3,9 @@
 Each worker keeps its own estimate g_i of its gradient and all workers keep the same g, the
 mean of the g_i. A step sends only c_i = C(grad_i - g_i); then g_i += c_i and g += mean_i(c_i).
 What C drops is not lost: it stays in grad_i - g_i and is sent in a later step.
+
+Buffers are flat over a bucket; the pipeline's state store keeps per-parameter views of them by
+name, so they survive DDP's bucket rebuild and checkpoints name parameters, not buckets.
 """
 
 from __future__ import annotations
@@ -15,24 +18,13 @@ class EF21:
         self.local = torch.zeros(numel, device=device)   # g_i
         self.shared = torch.zeros(numel, device=device)  # g, identical on every rank
 
-    def residual(self, grad: torch.Tensor) -> torch.Tensor:
-        """What the compressor looks at this step: grad_i - g_i."""
-        return grad - self.local
-
-    def advance(self, local_index, local_values, mean_index, mean_values) -> torch.Tensor:
-        """g_i += c_i and g += mean(c), both sparse; returns the new g (this step's averaged gradient)."""
+    def advance(self, local_index, local_values, mean_index, mean_values, out: torch.Tensor) -> torch.Tensor:
+        """g_i += c_i and g += mean(c), both sparse; writes the new g (this step's mean) into ``out``."""
         self.local.index_add_(0, local_index, local_values)
         self.shared.index_add_(0, mean_index, mean_values)
-        return self.shared.clone()
+        return out.copy_(self.shared)
 
     def sync(self, grad: torch.Tensor, mean: torch.Tensor) -> None:
         """After an uncompressed step both estimates are exact."""
         self.local.copy_(grad)
         self.shared.copy_(mean)
-
-    def state_dict(self) -> dict:
-        return {"local": self.local.clone(), "shared": self.shared.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.local.copy_(state["local"])
-        self.shared.copy_(state["shared"])

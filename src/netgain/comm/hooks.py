@@ -1,21 +1,27 @@
-"""The netgain DDP communication hook: state object, hook function, one-line `register`.
+"""The netgain DDP communication hook: `register(ddp, config)`, the hook, and its state.
 
-    state = netgain.comm.register(ddp_model, codec="gqsgd", bits=8)
-    # or, e.g. for Lightning: DDPStrategy(ddp_comm_state=CommState(make_codec("gqsgd")),
-    #                                     ddp_comm_hook=netgain.comm.hook)
+    state = netgain.comm.register(ddp_model, GlobalQSGDConfig(bits=8))
 
-The hook hands each bucket to ONE communication thread and returns a future at once, so the
-backward pass keeps computing while earlier buckets are encoded and sent. A single thread
-issuing collectives in submission order keeps their order identical on every rank (DDP submits
-buckets in index order), which multi-step pipelines (header -> payload) need on gloo.
+CommState joins three parts: the config (config.py), the per-parameter state store (store.py)
+and the bucket pipeline below. The hook hands each bucket to one communication thread and
+returns a future at once. That thread, in bucket order, runs each bucket's small header
+allreduce (per-parameter max |g|, a non-finite flag, the plan signature), encodes the bucket in
+one fused pass and LAUNCHES its payload collective asynchronously, then moves on to the next
+bucket: encoding bucket k+1 overlaps bucket k on the wire. The payload's future decodes straight
+into the bucket's buffer (`.then`). Issuing every collective from that one thread, on the hook's
+own process group, keeps their order identical on every rank. On CUDA the work runs on a side
+stream that waits on an event of the backward's stream, never synchronising it.
 
-Per bucket: [header allreduce MAX: max |g| per parameter, non-finite flag, plan signature] ->
-codec.encode -> collective -> codec.decode. The header makes every rank see the same verdict,
-so NaN/Inf or a plan mismatch raises on every rank instead of hanging one of them.
+Errors: the header makes every rank see the same verdict, so NaN/Inf or a plan mismatch raises
+on every rank; the hook of the step's last bucket waits for every bucket's verdict and raises the
+error itself, so it reaches the caller's `except NonFiniteGradientError` as that class (an error
+set on a DDP future arrives as a plain RuntimeError).
 
 `hook` keeps its annotations unquoted (no `from __future__ import annotations`): DDP checks them.
 """
 
+import concurrent.futures
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
-from .codecs import Codec, Context, NoCompression, make_codec
-from .collectives import Link
-from .feedback import EF21
-
-NONFINITE_POLICIES = ("raise", "uncompressed")
+from . import fused
+from .codecs import Codec, Context, NoCompression
+from .collectives import Communicator
+from .config import CommConfig, comm_config
+from .store import FORMAT, BucketLayout, StateStore
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -36,235 +41,223 @@ class NonFiniteGradientError(RuntimeError):
 
 
 class PlanMismatchError(RuntimeError):
-    """Ranks tried to aggregate one bucket with different codecs; raised on every rank."""
+    """Ranks asked for different codecs or hook settings (for a bucket, or for the whole run); raised on every rank."""
+
+
+class _NotSent(RuntimeError):
+    """A later bucket of a step in which an earlier one failed: it issued no collective."""
+
+
+_UNCOMPRESSED = NoCompression()
 
 
 class CommState:
-    """Hyperparameters, per-parameter state and statistics of the netgain hook.
+    """Config, per-parameter state store and bucket pipeline of the netgain hook.
 
-    Codecs work per parameter inside a bucket (a scale, an RNG stream and EF21 buffers per
-    parameter, one collective per bucket), so nothing depends on how DDP groups parameters into
-    buckets: state survives DDP rebuilding its buckets after the first step, and a resumed run
-    (whose first step uses DDP's initial layout again) reproduces an uninterrupted one exactly
-    (except gqsgd-exp, whose ring chunks follow the bucket layout, and Kimad's planner, which re-measures).
-    Holds no process group: `state_dict()` / `load_state_dict()` carry the step counter and every
-    parameter's RNG state and EF21 buffers.
+    Build it with `register` (which also makes the hook's own process group). Built directly, as
+    `ddp.register_comm_hook(CommState(config), hook)`, it runs on ``process_group`` (default: the
+    default group) and compares configs across ranks at the first bucket.
+    `state_dict()` is collective (call it on every rank) and returns everything every rank needs,
+    so a checkpoint saved by rank 0 alone resumes every rank exactly.
     """
 
-    def __init__(self, codec: Codec | AdaptivePlanner, *, process_group: dist.ProcessGroup | None = None,
-                 warmup_steps: int = 0, min_compress_numel: int = 1024, skip_1d: bool = False,
-                 nonfinite: str = "raise", seed: int = 0, param_names: dict[int, str] | None = None):
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}")
-        if warmup_steps < 0 or min_compress_numel < 0:
-            raise ValueError(f"warmup_steps and min_compress_numel must be >= 0, got {warmup_steps}, {min_compress_numel}")
-        # a fixed codec, or a planner that picks one per bucket (Kimad)
-        self.planner = codec if isinstance(codec, AdaptivePlanner) else None
-        self.codec = None if self.planner else codec
+    def __init__(self, config: "CommConfig | str" = "gqsgd", *, process_group: dist.ProcessGroup | None = None,
+                 param_names: dict[int, str] | None = None, **options):
+        self.config = comm_config(config, **options)
+        self.chooser = self.config.codec.build()
         self.process_group = process_group
-        self.warmup_steps, self.min_compress_numel = warmup_steps, min_compress_numel
-        self.skip_1d = skip_1d  # biases and norm weights: few bytes, sent exact (as PowerSGD does)
-        self.nonfinite, self.seed = nonfinite, seed
-        self.param_names = param_names or {}
+        self.store = StateStore()
         self.step = 0
         self.last_step: dict = {}
         self.history: list[dict] = []
-        self._generators: dict[str, torch.Generator] = {}
-        self._feedback: dict[str, EF21] = {}
-        self._records: list[dict] = []
-        self._first_submit = self._last_submit = 0.0
-        self._forward_end: float | None = None  # set by register()'s forward hook
-        self._step_open = False
-        self._link: Link | None = None
+        self._names = dict(param_names or {})  # id(parameter) -> name; unnamed: order of first appearance
+        self._layouts: dict[int, tuple[tuple, BucketLayout]] = {}
+        self._communicator: Communicator | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._failure: str | None = None  # why a bucket of this step failed; later buckets skip their collectives
+        self._stream = None
+        self._started = False
+        self._config_checked = False
+        self._jobs: list[dict] = []          # this step's buckets so far, in order (a new list per step)
+        self._failure: str | None = None     # why a bucket of this step failed; later buckets skip
+        self._forward_end: float | None = None
+        self._first_submit = self._last_submit = 0.0
+        self._lock = threading.Lock()
 
     # ---- which codec a bucket uses this step ---------------------------------------------------
     def codec_for(self, index: int, numel: int) -> Codec:
-        if self.step < self.warmup_steps or numel < self.min_compress_numel:
+        if self.step < self.config.warmup_steps or numel < self.config.min_compress_numel:
             return _UNCOMPRESSED
-        return self.planner.codec_for(index, numel) if self.planner else self.codec
+        return self.chooser.codec_for(index, numel)
 
     def describe(self) -> str:
-        return self.planner.mode if self.planner else self.codec.describe()
+        return self.chooser.describe()
 
-    def plan_signature(self, index: int, codec: Codec) -> float:
-        """A number every rank must agree on for this bucket (exact in float32)."""
-        return float(zlib.crc32(f"{index}:{codec.describe()}".encode()) % (1 << 24))
-
-    # ---- the hook's work, on the communication thread ------------------------------------------
+    # ---- the hook, on DDP's autograd thread ----------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer()
-        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-        self._last_submit = time.perf_counter()
-        if not self._step_open:  # the first bucket of a backward pass
-            self._first_submit, self._step_open = self._last_submit, True
-        self._step_open = not bucket.is_last()
+        now = time.perf_counter()
+        if not self._jobs:
+            self._first_submit = now
+        self._last_submit = now
+        result = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
         if dist.get_world_size(self.process_group) == 1:  # nothing to send: pass through
-            self._records.append({"index": bucket.index(), "numel": buffer.numel(), "codec": "passthrough",
-                                  "wire_bytes": 0, "raw_bytes": 4 * buffer.numel(), "comm_s": 0.0,
-                                  "encode_s": 0.0, "decode_s": 0.0})
+            self._jobs.append({"record": {"index": bucket.index(), "numel": buffer.numel(), "codec": "passthrough",
+                                          "wire_bytes": 0, "raw_bytes": buffer.numel() * buffer.element_size(),
+                                          "comm_s": 0.0, "encode_s": 0.0, "decode_s": 0.0}})
             if bucket.is_last():
-                self._end_step()
-            future.set_result(buffer)
-            return future
-        if self._executor is None:
-            self._link = Link(self.process_group)
-            if self.planner:
-                self._link.observer = self.planner.monitor.observe
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
-        ready = torch.cuda.Event() if buffer.is_cuda else None
-        if ready is not None:
-            ready.record()
-        layout, exact = self._layout(bucket)
-        job = self._executor.submit(self._run, bucket.index(), buffer, layout, exact, bucket.is_last(), ready)
+                jobs, self._jobs = self._jobs, []
+                self._end_step(jobs, time.perf_counter())
+            result.set_result(buffer)
+            return result
+        if not self._started:
+            self._start()
+        step_jobs = self._jobs
+        job = {"index": bucket.index(), "buffer": buffer, "layout": self._layout(bucket), "result": result,
+               "verdict": concurrent.futures.Future(), "done": concurrent.futures.Future(), "step_jobs": step_jobs,
+               "last": bucket.is_last()}
+        if buffer.is_cuda:
+            job["ready"] = torch.cuda.Event()
+            job["ready"].record()
+        step_jobs.append(job)
+        if job["last"]:
+            self._jobs = []  # the next backward's buckets start a new step, whenever this one ends
+        self._executor.submit(self._run, job)
+        if job["last"]:
+            _raise_verdicts(step_jobs)
+        return result
 
-        def resolve(done):
-            error = done.exception()
-            future.set_exception(error) if error is not None else future.set_result(done.result())
+    def _start(self) -> None:
+        """First bucket: the communicator, the thread, and one config check across ranks."""
+        self._communicator = Communicator(self.process_group)
+        self.chooser.attach(self._communicator)
+        if not self._config_checked:
+            _check_same_config(self.config, self.process_group)
+            self._config_checked = True
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._stream = torch.cuda.Stream()
+        self._started = True
 
-        job.add_done_callback(resolve)
-        return future
-
-    def _run(self, index, buffer, layout, exact, is_last, ready):
-        if ready is not None:
-            ready.synchronize()
+    # ---- the pipeline, on the communication thread ---------------------------------------------
+    def _run(self, job: dict) -> None:
         try:
             if self._failure is not None:
-                raise RuntimeError(f"bucket {index} not sent: {self._failure}")
-            out = self._aggregate(index, buffer, layout, exact)
-            if buffer.is_cuda:
-                torch.cuda.current_stream().synchronize()
-            return out
+                raise _NotSent(f"bucket {job['index']} not sent: {self._failure}")
+            with _on_stream(self._stream, job.get("ready")):
+                self._send(job)
         except Exception as error:
             # Header errors are seen by every rank at the same bucket, so every rank stops issuing
             # collectives here: none is left queued to meet a barrier or a new step out of order.
-            self._failure = self._failure or f"bucket {index} failed ({type(error).__name__})"
-            raise
-        finally:
-            if is_last:
-                self._end_step()
+            if self._failure is None:
+                self._failure = f"bucket {job['index']} failed ({type(error).__name__})"
+            _settle(job, error)
+        if job["last"]:
+            jobs = job["step_jobs"]
+            concurrent.futures.wait([j["done"] for j in jobs])
+            self._end_step(jobs, time.perf_counter())
+            with _on_stream(self._stream, None):  # DDP sees the step's results once its statistics are in
+                for j in jobs:
+                    if not j["result"].done():
+                        j["result"].set_result(j["out"])
 
-    def _aggregate(self, index: int, x: torch.Tensor, layout, exact: set[str]) -> torch.Tensor:
-        link, codec = self._link, self.codec_for(index, x.numel())
-        bytes_before, seconds_before = link.bytes_sent, link.seconds
-        checked = codec.needs_header or self.planner is not None  # adaptive: every bucket's plan is checked
-        exact = set() if isinstance(codec, NoCompression) else exact
-        coded = {key: span for key, span in layout.items() if key not in exact}
-        # checked codecs work per parameter (scale, RNG, EF21); the plain casts see the whole bucket
-        segments = coded if checked or exact else {"bucket": (0, x.numel())}
-        contexts = {key: self._context(key, k, codec, x.device) for key, (_, k) in segments.items()}
+    def _send(self, job: dict) -> None:
+        x, layout, communicator = job["buffer"], job["layout"], self._communicator
+        n, index = communicator.world_size, job["index"]
+        codec = self.codec_for(index, x.numel())
+        record = job["record"] = {"index": index, "numel": x.numel(), "codec": codec.describe(), "wire_bytes": 0,
+                                  "raw_bytes": x.numel() * x.element_size(), "comm_s": 0.0}
+        segments = layout.segments
+        ctx = Context(n, segments, fused.step_keys(segments.keys, self.config.seed, self.step, communicator.rank),
+                      fused.step_keys(segments.keys, self.config.seed, self.step, -1), tables=layout.tables)
+        uncompressed = isinstance(codec, NoCompression)
+        # EF21 state: touched by EF21 codecs, and restarted exact by uncompressed steps of an EF21 chooser
+        feedback = codec.uses_feedback or (uncompressed and self.chooser.uses_feedback)
+        if feedback:
+            ctx.feedback = self.store.feedback_for(layout, x.device)
+        checked = codec.needs_header or self.chooser.checked or (
+            self.config.nonfinite == "uncompressed" and not uncompressed)
+        if checked:
+            scales, nonfinite = self._header(index, codec, x, segments, record)
+            if nonfinite:
+                self._nonfinite_error(index, layout, scales)  # raises, or we send this bucket uncompressed
+                codec, uncompressed, record["codec"] = _UNCOMPRESSED, True, "none (non-finite)"
+            ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+            job["verdict"].set_result(None)
+        if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
+            self.chooser.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
+        local_grad = x.clone() if uncompressed and feedback else None  # EF21 restarts exact
+        exact = None
+        if layout.exact_index is not None and not uncompressed:
+            exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
+        payload = codec.encode(x, ctx)
+        sent = communicator.start(codec.collective, payload, record,
+                                  combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
+        pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 
-        if checked and segments and self._header(index, codec, x, segments, contexts):
-            out = self._nonfinite(index, x, layout, link)
-        else:
-            out = self._exchange(codec, x, segments, contexts) if segments else torch.zeros_like(x)
-            if exact:
-                self._exchange_exact(x, out, {key: layout[key] for key in layout if key in exact})
-            if (not checked or exact) and not bool(torch.isfinite(out).all()):
-                # NaN/Inf reach every rank through the float SUM, so every rank takes this branch
-                if self.nonfinite == "raise" or not isinstance(codec, NoCompression):
-                    out = self._nonfinite(index, x, layout, link)
-            elif isinstance(codec, NoCompression):
-                for key, (o, k) in layout.items():  # after an exact step, EF21 estimates are exact
-                    if key in self._feedback:
-                        self._feedback[key].sync(x[o:o + k], out[o:o + k])
-            if self.planner and codec is not _UNCOMPRESSED and self.planner.wants_errors(self.step):
-                self.planner.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
+        def finish(_):
+            try:
+                with _on_stream(self._stream, None):
+                    out = codec.decode(sent.value(), x, ctx)
+                    if exact is not None:
+                        out[layout.exact_index] = exact.value()
+                    if not checked and not bool(torch.isfinite(out).all()):
+                        # NaN/Inf reach every rank through the float SUM, so every rank raises here
+                        self._nonfinite_error(index, layout, None, policy="raise")
+                    if local_grad is not None:
+                        ctx.feedback.sync(local_grad, out)
+                record.update(ctx.seconds)
+                job["verdict"].set_result(None) if not job["verdict"].done() else None
+                job["out"] = out
+            except Exception as error:
+                _settle(job, error)
+            job["done"].set_result(None)
 
-        self._records.append({
-            "index": index, "numel": x.numel(), "codec": codec.describe(),
-            "wire_bytes": link.bytes_sent - bytes_before, "raw_bytes": 4 * x.numel(),
-            "comm_s": link.seconds - seconds_before,
-            **{key: sum(ctx.seconds[key] for ctx in contexts.values()) for key in ("encode_s", "decode_s")},
-        })
-        return out
+        pending.then(finish)
 
-    def _header(self, index, codec, x, segments, contexts) -> bool:
-        """One allreduce MAX of [max |g| per parameter, non-finite flag, plan signature, -signature].
-
-        Sets each context's global scale; returns whether any rank holds NaN/Inf in this bucket.
-        """
-        maxes = torch.stack([x[o:o + k].abs().max() for o, k in segments.values()]).to(torch.float32)
+    def _header(self, index, codec, x, segments, record):
+        """One allreduce MAX of [max |g| per parameter (+inf where non-finite), flag, signature, -signature]."""
+        maxes = segments.absmax(x)
         finite = torch.isfinite(maxes)
-        signature = self.plan_signature(index, codec)
-        header = torch.cat([torch.where(finite, maxes, torch.zeros_like(maxes)),
-                            torch.tensor([0.0 if bool(finite.all()) else 1.0, signature, -signature], device=x.device)])
-        self._link.allreduce(header, dist.ReduceOp.MAX)
-        if header[-2] != -header[-1]:  # max(signature) != min(signature)
-            raise PlanMismatchError(f"bucket {index}: ranks chose different codecs (this rank: {codec.describe()})")
-        for ctx, scale in zip(contexts.values(), header[:-3].tolist()):
-            ctx.scale = scale or 1.0  # an all-zero parameter: codes are all zero whatever the scale
-        return bool(header[-3] > 0)
+        signature = float(zlib.crc32(f"{index}:{self.step}:{codec.describe()}".encode()) % (1 << 24))
+        flags = torch.stack([(~finite).any().float(), torch.tensor(signature, device=x.device),
+                             torch.tensor(-signature, device=x.device)])
+        header = torch.cat([torch.where(finite, maxes, torch.full_like(maxes, float("inf"))), flags])
+        self._communicator.allreduce(header, dist.ReduceOp.MAX, record)
+        nonfinite, high, low = header[-3:].tolist()  # the step's one host read per bucket
+        if high != -low:  # max(signature) != min(signature)
+            raise PlanMismatchError(f"bucket {index}: ranks chose different codecs at step {self.step} "
+                                    f"(this rank: {codec.describe()})")
+        return header[:-3], nonfinite > 0
 
-    def _exchange_exact(self, x, out, spans) -> None:
-        """The uncompressed parameters of a bucket (see skip_1d): one fp32 allreduce of their mean into `out`."""
-        joined = torch.cat([x[o:o + k] for o, k in spans.values()]) / self._link.world_size
-        summed = self._link.allreduce(joined)
-        for part, (o, k) in zip(summed.split([k for _, k in spans.values()]), spans.values()):
-            out[o:o + k] = part
-
-    def _exchange(self, codec, x, segments, contexts) -> torch.Tensor:
-        """Encode every segment, run the codec's one collective on the joined payload, decode."""
-        payloads = [codec.encode(x[o:o + k], contexts[key]) for key, (o, k) in segments.items()]
-        payload = torch.cat(payloads, dim=-1) if len(payloads) > 1 else payloads[0]
-        if codec.collective == "allreduce":
-            aggregated = self._link.allreduce(payload)
-        elif codec.collective == "allgather":
-            aggregated = self._link.allgather(payload)
+    def _nonfinite_error(self, index, layout, scales, policy=None) -> None:
+        if (policy or self.config.nonfinite) != "raise":
+            return
+        if scales is not None:
+            bad = torch.isinf(scales).nonzero().flatten().tolist()
+            names = [layout.names[i] for i in bad]
         else:
-            combine_ctx = next(iter(contexts.values()))
-            aggregated = self._link.ring_allreduce(payload, lambda a, b: codec.combine(a, b, combine_ctx))
-        out = torch.zeros_like(x)
-        for part, (key, (o, k)) in zip(aggregated.split([p.shape[-1] for p in payloads], dim=-1), segments.items()):
-            out[o:o + k] = codec.decode(part, k, contexts[key])
-        return out
+            names = layout.names
+        shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        raise NonFiniteGradientError(
+            f"bucket {index} holds NaN/Inf gradients on at least one rank (parameters: {shown}); "
+            "pass nonfinite='uncompressed' to send such buckets uncompressed")
 
-    def _context(self, key: str, numel: int, codec: Codec, device) -> Context:
-        generator = self._generators.get(key)
-        if generator is None:
-            generator = self._generators[key] = torch.Generator(device=device).manual_seed(
-                zlib.crc32(f"{self.seed}:{self._link.rank}:{key}".encode()))
-        ctx = Context(self._link.world_size, generator,
-                      shared_seed=zlib.crc32(f"{self.seed}:{key}:{self.step}".encode()))
-        if codec.uses_feedback:
-            ctx.feedback = self._feedback_for(key, numel, device)
-        return ctx
-
-    def _feedback_for(self, key: str, numel: int, device) -> EF21:
-        if key not in self._feedback:
-            self._feedback[key] = EF21(numel, device)
-        return self._feedback[key]
-
-    def _nonfinite(self, index, x, layout, link) -> torch.Tensor:
-        if self.nonfinite == "raise":
-            names = [self.param_names.get(key, key) for key in layout][:4]
-            raise NonFiniteGradientError(
-                f"bucket {index} holds NaN/Inf gradients on at least one rank (parameters {names}"
-                f"{' ...' if len(layout) > 4 else ''}); pass nonfinite='uncompressed' to send such buckets uncompressed"
-            )
-        return link.allreduce(x / link.world_size)
-
-    def _end_step(self):
-        records, self._records = self._records, []
-        totals = {key: sum(r[key] for r in records) for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
-        totals.update(step=self.step, buckets=len(records), wait_s=time.perf_counter() - self._last_submit,
+    def _end_step(self, jobs: list[dict], done: float) -> None:
+        records = [job["record"] for job in jobs if "record" in job]
+        totals = {key: sum(r.get(key, 0.0) for r in records)
+                  for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
+        totals.update(step=self.step, buckets=len(records), wait_s=max(0.0, done - self._last_submit),
                       backward_s=self._last_submit - (self._forward_end or self._first_submit),
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         failed, self._failure = self._failure, None
-        if self.planner and self._link is not None and failed is None:
-            self._link.observer = None  # the planner's own small collectives are not samples of the link
-            try:
-                self.planner.end_step(self._link, self.step, totals["backward_s"])
-            finally:
-                self._link.observer = self.planner.monitor.observe
-            totals.update(self.planner.last)
+        if failed is None and self._communicator is not None:
+            totals.update(self.chooser.end_step(self._communicator, self.step, totals["backward_s"]))
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
 
     def close(self) -> None:
-        """Wait for buckets still queued on the communication thread (e.g. after one raised), then stop it.
+        """Wait for buckets still on the communication thread (e.g. after one raised), then stop it.
 
         Call before destroying the process group, or a peer's pending collective may find it gone.
         """
@@ -272,47 +265,100 @@ class CommState:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    # ---- bucket layout ---------------------------------------------------------------------
-    def _layout(self, bucket: dist.GradBucket) -> tuple[dict[str, tuple[int, int]], set[str]]:
-        """parameter key -> (offset, numel) inside the bucket's flat buffer, and the keys sent exact (skip_1d)."""
-        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
-        layout, exact = {}, set()
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            key = self.param_names.get(id(p), f"param{id(p)}")
-            layout[key] = ((g.data_ptr() - base) // size, g.numel())
-            if self.skip_1d and p.dim() <= 1:
-                exact.add(key)
-        return layout, exact
+    def _drain(self) -> None:
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
+    # ---- bucket layouts --------------------------------------------------------------------
+    def _layout(self, bucket: dist.GradBucket) -> BucketLayout:
+        """Built once per DDP bucket layout (a new one after DDP rebuilds its buckets)."""
+        buffer = bucket.buffer()
+        key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        cached = self._layouts.get(bucket.index())
+        if cached is None or cached[0] != key:
+            cached = self._layouts[bucket.index()] = (key, BucketLayout.of(bucket, self._name, self.config.skip_1d))
+        return cached[1]
+
+    def _name(self, parameter) -> str:
+        with self._lock:
+            return self._names.setdefault(id(parameter), f"param{len(self._names)}")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "codec": self.describe(),
-            "rng": {key: {"device": str(g.device), "state": g.get_state()} for key, g in self._generators.items()},
-            "feedback": {key: ef.state_dict() for key, ef in self._feedback.items()},
-        }
+        """Every rank's state in one object (collective: call it on every rank between steps)."""
+        self._drain()
+        n = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+        local = self.store.local_state()
+        locals_ = [None] * n
+        if n > 1:
+            dist.all_gather_object(locals_, local, group=self.process_group)
+        else:
+            locals_ = [local]
+        return {"format": FORMAT, "config": self.config.describe(), "world_size": n, "step": self.step,
+                "shared": self.store.shared_state(), "local": locals_, "chooser": self.chooser.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["codec"] != self.describe():
-            raise ValueError(f"checkpoint was saved with codec {state['codec']}, this state uses {self.describe()}")
+        if state.get("format") != FORMAT:
+            raise ValueError(f"not a netgain comm state of format {FORMAT!r} (got {state.get('format')!r})")
+        if state["config"] != self.config.describe():
+            differ = sorted(k for k in set(state["config"]) | set(self.config.describe())
+                            if state["config"].get(k) != self.config.describe().get(k))
+            raise ValueError(f"the checkpoint's comm config differs in {differ}: saved {state['config']}, "
+                             f"this state {self.config.describe()}")
+        n = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+        if state["world_size"] != n:
+            raise ValueError(f"the checkpoint holds the comm state of {state['world_size']} ranks, "
+                             f"this run has {n}: EF21 buffers are per rank")
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        self._drain()
         self.step = state["step"]
-        self._generators = {}
-        for key, rng in state["rng"].items():
-            self._generators[key] = torch.Generator(device=rng["device"])
-            self._generators[key].set_state(rng["state"])
-        self._feedback = {}
-        for key, buffers in state["feedback"].items():
-            self._feedback[key] = EF21(buffers["local"].numel(), buffers["local"].device)
-            self._feedback[key].load_state_dict(buffers)
+        self.store.load(state["local"][rank], state["shared"])
+        self._layouts.clear()
+        self.chooser.load_state_dict(state["chooser"])
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_link=None, _executor=None, process_group=None)
+        state.update(_communicator=None, _executor=None, process_group=None, _stream=None, _lock=None,
+                     _layouts={}, _jobs=[], _started=False)
         return state
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
-_UNCOMPRESSED = NoCompression()
+
+def _raise_verdicts(jobs: list[dict]) -> None:
+    """Wait for every bucket of the step to pass its checks; raise the first error as its own class."""
+    for job in jobs:
+        error = job["verdict"].exception() if "verdict" in job else None
+        if error is not None and not isinstance(error, _NotSent):
+            raise error
+
+
+def _settle(job: dict, error: Exception) -> None:
+    for key in ("verdict", "done"):
+        if not job[key].done():
+            job[key].set_exception(error) if key == "verdict" else job[key].set_result(None)
+    if not job["result"].done():
+        job["result"].set_exception(error)
+
+
+class _on_stream:
+    """Run on the hook's CUDA side stream (after the backward's event), or do nothing on CPU."""
+
+    def __init__(self, stream, ready):
+        self.stream, self.ready = stream, ready
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.context = torch.cuda.stream(self.stream)
+            self.context.__enter__()
+            if self.ready is not None:
+                self.stream.wait_event(self.ready)
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.context.__exit__(*exc)
 
 
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -320,35 +366,38 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return state.submit(bucket)
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: str | Codec = "gqsgd", *,
-             bits: int = 8, encoding: str = "packed", ratio: float = 0.01, comm_budget_ms: float | None = None,
-             replan_every: int = 10, process_group: dist.ProcessGroup | None = None, **options) -> CommState:
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "CommConfig | str" = "gqsgd",
+             **options) -> CommState:
     """Register the netgain hook on ``ddp_model``; returns its CommState.
 
-    ``codec``: a name from CODEC_NAMES ("kimad" / "kimad+" adapt to the measured bandwidth, with
-    a time budget of ``comm_budget_ms`` per step or, by default, the measured backward time).
-    Checks that every rank asked for the same codec and options (raises on every rank if not).
-    ``options``: warmup_steps, min_compress_numel, skip_1d, nonfinite, seed (see CommState).
+    ``config``: a codec config (GlobalQSGDConfig(bits=4), TopKConfig(...), KimadConfig(...)), a
+    CommConfig, or a codec name from CODEC_NAMES with codec and hook fields as keywords
+    (register(ddp, "gqsgd", bits=4, warmup_steps=10)). Makes the hook's own process group unless
+    config.own_group is False or ``process_group`` is given. Raises PlanMismatchError on every rank
+    when the ranks' configs differ.
     """
-    if codec in ADAPTIVE_MODES:
-        codec = AdaptivePlanner(codec, replan_every=replan_every,
-                                time_budget_s=None if comm_budget_ms is None else comm_budget_ms / 1e3)
-    elif isinstance(codec, str):
-        codec = make_codec(codec, bits=bits, encoding=encoding, ratio=ratio)
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    group = options.pop("process_group", None)
+    comm = comm_config(config, **options)
+    if group is None and comm.own_group and dist.get_world_size() > 1:
+        group = dist.new_group(backend=dist.get_backend())
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-    state = CommState(codec, process_group=process_group, param_names=names, **options)
-    _check_same_config(state)
+    state = CommState(comm, process_group=group, param_names=names)
+    if dist.get_world_size(group) > 1:
+        _check_same_config(comm, group)
+        state._config_checked = True
     ddp_model.register_comm_hook(state, hook)
     ddp_model.module.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
     return state
 
 
-def _check_same_config(state: CommState) -> None:
-    config = {"codec": state.describe(), "warmup_steps": state.warmup_steps,
-              "min_compress_numel": state.min_compress_numel, "skip_1d": state.skip_1d, "nonfinite": state.nonfinite,
-              "seed": state.seed}
-    configs = [None] * dist.get_world_size(state.process_group)
-    dist.all_gather_object(configs, config, group=state.process_group)
+def _check_same_config(config: CommConfig, group) -> None:
+    mine = config.describe()
+    configs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(configs, mine, group=group)
     if any(c != configs[0] for c in configs):
-        raise ValueError("netgain comm configuration differs between ranks: "
-                         + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
+        differ = sorted(k for c in configs for k in c if c.get(k) != configs[0].get(k))
+        raise PlanMismatchError(f"netgain comm configuration differs between ranks in {differ}: "
+                                + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))

@@ -1,7 +1,7 @@
 """Pure quantisation arithmetic shared by the codecs: no process groups, no state.
 
-Everything here is unbiased stochastic rounding or exact integer bookkeeping, so the codecs'
-claims (unbiased, never overflows) can be tested on these functions alone.
+Level counts, the packed word layout (fields wide enough that a native integer SUM never
+carries) and exponential dithering; the per-element rounding of the other codecs is in fused.py.
 """
 
 from __future__ import annotations
@@ -14,13 +14,6 @@ import torch
 def levels_per_side(bits: int) -> int:
     """Non-negative levels a signed ``bits``-bit code can hold on each side of zero: 2**(bits-1) - 1."""
     return (1 << (bits - 1)) - 1
-
-
-def stochastic_round(q: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Round to floor or ceil with P(ceil) = fractional part, so E[result] = q exactly."""
-    low = torch.floor(q)
-    noise = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
-    return low + (noise < (q - low)).to(q.dtype)
 
 
 # ---- packed offset codes: n workers' codes summed by one native integer SUM -------------------
@@ -54,33 +47,6 @@ def word_layout(levels: int, world_size: int) -> tuple[torch.dtype, int, int]:
     return best[0], width, best[2]
 
 
-def pack(offset_codes: torch.Tensor, levels: int, world_size: int) -> torch.Tensor:
-    """Pack offset codes (integers in [0, 2*levels]) into integer words, several fields each.
-
-    After the SUM over ``world_size`` workers a field holds at most 2*levels*world_size, which fits
-    its width, and the top field ends below the sign bit: the native integer SUM of the words is
-    exact, no field carries into its neighbour.
-    """
-    dtype, width, per_word = word_layout(levels, world_size)
-    numel = offset_codes.numel()
-    padded = torch.zeros(math.ceil(numel / per_word) * per_word, dtype=dtype, device=offset_codes.device)
-    padded[:numel] = offset_codes
-    fields = padded.view(-1, per_word)
-    words = fields[:, 0].clone()
-    for j in range(1, per_word):  # a few whole-tensor ops beat a reduction over a tiny axis
-        words |= fields[:, j] << (width * j)
-    return words
-
-
-def unpack(words: torch.Tensor, levels: int, world_size: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack` for summed words: the per-field sums, first ``numel`` of them."""
-    dtype, width, per_word = word_layout(levels, world_size)
-    fields = torch.empty((words.numel(), per_word), dtype=dtype, device=words.device)
-    for j in range(per_word):
-        torch.bitwise_and(words >> (width * j), (1 << width) - 1, out=fields[:, j])
-    return fields.view(-1)[:numel]
-
-
 def packed_bits_per_element(levels: int, world_size: int) -> float:
     dtype, _, per_word = word_layout(levels, world_size)
     return torch.iinfo(dtype).bits / per_word
@@ -93,24 +59,23 @@ def exp_top_exponent(world_size: int) -> int:
     """Largest power of two a code can hold, relative to the global max |g| = 1.
 
     A ring partial sum of n values each <= 1 is <= n; one spare doubling covers stochastic
-    rounding up. Larger magnitudes saturate (counted by the codec, astronomically rare).
+    rounding up. Larger magnitudes saturate (clamped to the top level; astronomically rare).
     """
     return math.ceil(math.log2(world_size)) + 1
 
 
-def exp_encode(x: torch.Tensor, top: int, exponents: int, generator: torch.Generator | None) -> torch.Tensor:
+def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -> torch.Tensor:
     """Round |x| unbiasedly to a neighbouring power of two; return int8 codes.
 
     Code c != 0 means sign(c) * 2**(top + 1 - |c|); c = 0 means zero. ``exponents`` codes per sign
     cover 2**top down to 2**(top + 1 - exponents); below that, values round to 0 or the smallest
-    level with the probability that keeps the mean.
+    level with the probability that keeps the mean. ``noise``: U[0, 1), one per element.
     """
     mag = x.abs()
     smallest = 2.0 ** (top + 1 - exponents)
     _, exponent = torch.frexp(mag)  # mag = m * 2**exponent with m in [0.5, 1): exact, no log2 rounding
     low = torch.where(mag < smallest, torch.zeros_like(mag), torch.ldexp(torch.ones_like(mag), exponent - 1))
     step = torch.where(mag < smallest, torch.full_like(mag, smallest), low)  # gap to the next level
-    noise = torch.rand(mag.shape, generator=generator, device=x.device, dtype=x.dtype)
     rounded = low + step * (noise < (mag - low) / step).to(x.dtype)
     _, exponent = torch.frexp(rounded)  # rounded = 0.5 * 2**exponent exactly
     code = (top + 2 - exponent).clamp(1, exponents)  # clamp(1) saturates above 2**top

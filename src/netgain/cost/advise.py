@@ -105,13 +105,13 @@ def resolve_link(args) -> tuple[net.Link, str]:
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
              cost, algorithm: str = "auto") -> list[Row]:
     """Predict every candidate codec; codecs impossible at this world size are left out."""
-    from netgain.comm.codecs import make_codec
+    from netgain.comm.codecs import codec_profile, make_codec
 
     predictions = []
     for name, params in CANDIDATES:
         codec = make_codec(name, **params)
         try:
-            profile = net.profile_codec(codec, world_size, cost)
+            profile = codec_profile(codec, world_size, cost)
         except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
             continue
         predictions.append((profile, codec.unbiased,

@@ -133,27 +133,27 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _TIME_UNITS[m.group(2)]
 
 
-def _check_world(n: int) -> None:
+def check_world(n: int) -> None:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {n!r}")
 
 
 def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     """Ring allreduce (reduce-scatter + allgather): 2(n-1) alpha + 2(n-1)/n S/beta."""
-    _check_world(n)
+    check_world(n)
     return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def tree_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float = 0.0) -> float:
     """Binary-tree reduce then broadcast: 2 ceil(log2 n) (alpha + S/beta) + one combine per level."""
-    _check_world(n)
+    check_world(n)
     levels = math.ceil(math.log2(n)) if n > 1 else 0
     return 2 * levels * (link.latency + nbytes / link.bandwidth) + levels * combine_s
 
 
 def allgather_s(nbytes_per_rank: float, n: int, link: Link) -> float:
     """Ring allgather of S bytes from every rank: (n-1) alpha + (n-1) S/beta."""
-    _check_world(n)
+    check_world(n)
     return (n - 1) * (link.latency + nbytes_per_rank / link.bandwidth)
 
 
@@ -163,7 +163,7 @@ def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float
     `combine_s` is the time to combine two whole S-byte payloads; each of the n-1 reduce-scatter
     hops combines one 1/n chunk, on the critical path.
     """
-    _check_world(n)
+    check_world(n)
     return ring_allreduce_s(nbytes, n, link) + (n - 1) * combine_s / n
 
 
@@ -305,7 +305,7 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     buckets in order: encode, header, collective, decode; bucket k starts when it is ready and
     bucket k-1 is done. The step ends when both the backward and the last bucket are done.
     """
-    _check_world(world_size)
+    check_world(world_size)
     if not 0 < backward_fraction <= 1:
         raise ValueError(f"backward_fraction: must be in (0, 1], got {backward_fraction!r}")
     if compute_s < 0:
@@ -339,51 +339,6 @@ def estimate_compute_s(params: float, tokens_per_step: float, gpu: Gpu, mfu: flo
 
 
 CODEC_COSTS = ("calibrate", "free")
-
-
-def profile_codec(codec, world_size: int, cost: str | Gpu = "calibrate",
-                  calibration_numel: int | None = None, threads: int | None = None) -> CodecProfile:
-    """The model's view of a codec from netgain.comm.codecs at `world_size`.
-
-    cost: "calibrate" times encode/decode on this machine (see calibrate_codec); a Gpu: a fused
-    kernel limited by memory traffic (see memory_bound_cost); "free": codec work costs nothing.
-    """
-    _check_world(world_size)
-    wire_bits = codec.wire_bits(world_size)
-    header = HEADER_BYTES if codec.needs_header else 0
-    name = codec.describe()
-    if isinstance(cost, Gpu):
-        enc, dec, comb = memory_bound_cost(wire_bits, codec.collective, world_size,
-                                           codec.needs_header, cost.memory_bandwidth)
-        return CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb)
-    if cost == "free":
-        return CodecProfile(name, wire_bits, codec.collective, header)
-    if cost != "calibrate":
-        raise ValueError(f"cost: must be a Gpu or one of {', '.join(CODEC_COSTS)}, got {cost!r}")
-    numel = calibration_numel or max(2**14, 2**22 // world_size)
-    enc, dec = calibrate_codec(codec, numel, world_size, threads)
-    return CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)
-
-
-def calibrate_codec(codec, numel: int, world_size: int, threads: int | None = None,
-                    rounds: int = 3) -> tuple[float, float]:
-    """Encode and decode seconds for one `numel` bucket, timed here with netgain.comm.codecs.
-
-    `threads`: torch threads while timing (a lab worker's share of the cores); the fastest of
-    `rounds` medians, since other load on the machine only ever adds time. For the ring codec
-    the decode includes its n-1 per-hop combines.
-    """
-    import torch  # torch work only when calibrating
-
-    from netgain.comm.codecs import time_codec
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
-        runs = [time_codec(codec, numel, world_size, repeats=3) for _ in range(rounds)]
-    finally:
-        torch.set_num_threads(previous)
-    return min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
 
 
 def memory_bound_cost(wire_bits: float, collective: str, world_size: int, needs_header: bool,

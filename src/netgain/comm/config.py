@@ -1,0 +1,235 @@
+"""Typed, validated configs: the config says what, the hook does how (as torchao's quantize_).
+
+    netgain.comm.register(ddp, GlobalQSGDConfig(bits=4))
+    netgain.comm.register(ddp, CommConfig(TopKConfig(ratio=0.01), warmup_steps=10))
+    netgain.comm.register(ddp, "gqsgd", bits=4, warmup_steps=10)   # by name, as the CLI does
+
+Every codec config builds a chooser: the object the pipeline asks which codec a bucket uses this
+step (`FixedChoice` for one codec, `AdaptivePlanner` for Kimad). The whole CommConfig is compared
+across ranks before the first bucket is sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+import torch
+
+from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
+from .codecs import (BITS_RANGE, ENCODINGS, Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD,
+                     RandomK, TopK)
+
+NONFINITE_POLICIES = ("raise", "uncompressed")
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _bits(bits: int) -> None:
+    if bits not in BITS_RANGE:
+        raise ValueError(f"bits must be in {BITS_RANGE.start}..{BITS_RANGE.stop - 1}, got bits={bits}")
+
+
+def _ratio(ratio: float) -> None:
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got ratio={ratio}")
+
+
+@dataclass(frozen=True)
+class NoCompressionConfig:
+    """fp32 allreduce of the mean, as DDP does without a hook."""
+    name: ClassVar[str] = "none"
+
+    def build(self):
+        return FixedChoice(NoCompression())
+
+
+@dataclass(frozen=True)
+class CastConfig:
+    """Divide by n, cast to fp16 or bf16, allreduce."""
+    dtype: str = "fp16"
+
+    def __post_init__(self):
+        if self.dtype not in CAST_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(CAST_DTYPES)}")
+
+    @property
+    def name(self) -> str:
+        return self.dtype
+
+    def build(self):
+        return FixedChoice(Cast(self.dtype, CAST_DTYPES[self.dtype]))
+
+
+@dataclass(frozen=True)
+class QSGDConfig:
+    """Classic QSGD (own scale per worker, allgather): a baseline for Global-QSGD."""
+    bits: int = 8
+    name: ClassVar[str] = "qsgd"
+
+    def __post_init__(self):
+        _bits(self.bits)
+
+    def build(self):
+        return FixedChoice(QSGD(self.bits))
+
+
+@dataclass(frozen=True)
+class GlobalQSGDConfig:
+    """Global-QSGD: one global scale per parameter, integer codes summed by a native allreduce."""
+    bits: int = 8
+    encoding: str = "packed"
+    name: ClassVar[str] = "gqsgd"
+
+    def __post_init__(self):
+        _bits(self.bits)
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding={self.encoding!r} is not one of {ENCODINGS}")
+        if self.encoding == "int8" and self.bits != 8:
+            raise ValueError(f"encoding='int8' is the paper's 8-bit layout: bits must be 8, got bits={self.bits}; "
+                             "use encoding='packed'")
+
+    def build(self):
+        return FixedChoice(GlobalQSGD(self.bits, self.encoding))
+
+
+@dataclass(frozen=True)
+class GlobalQSGDExpConfig:
+    """Global-QSGD with power-of-two levels (ring reduce with re-encoding)."""
+    bits: int = 8
+    name: ClassVar[str] = "gqsgd-exp"
+
+    def __post_init__(self):
+        _bits(self.bits)
+
+    def build(self):
+        return FixedChoice(GlobalQSGDExp(self.bits))
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """Top-k of each parameter's EF21 residual (allgather of index + value)."""
+    ratio: float = 0.01
+    name: ClassVar[str] = "topk"
+
+    def __post_init__(self):
+        _ratio(self.ratio)
+
+    def build(self):
+        return FixedChoice(TopK(self.ratio))
+
+
+@dataclass(frozen=True)
+class RandomKConfig:
+    """Random-k with coordinates shared by all ranks (allreduce), EF21."""
+    ratio: float = 0.01
+    name: ClassVar[str] = "randomk"
+
+    def __post_init__(self):
+        _ratio(self.ratio)
+
+    def build(self):
+        return FixedChoice(RandomK(self.ratio))
+
+
+@dataclass(frozen=True)
+class KimadConfig:
+    """Kimad: re-plan each bucket's codec to fit a communication time budget at the measured bandwidth.
+
+    mode: "kimad" (one option for all buckets) or "kimad+" (a knapsack per bucket). budget_ms:
+    the time target per step (None: the measured backward time, so communication hides under it).
+    """
+    mode: str = "kimad+"
+    budget_ms: float | None = None
+    replan_every: int = 10
+    bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
+    topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1)
+
+    def __post_init__(self):
+        if self.mode not in ADAPTIVE_MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {ADAPTIVE_MODES}")
+        if self.budget_ms is not None and not 0 < self.budget_ms < float("inf"):
+            raise ValueError(f"budget_ms must be > 0 and finite (or None for the measured backward time), got {self.budget_ms}")
+        if self.replan_every < 1:
+            raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
+        for bits in self.bits:
+            _bits(bits)
+        for ratio in self.topk_ratios:
+            _ratio(ratio)
+
+    @property
+    def name(self) -> str:
+        return self.mode
+
+    def build(self):
+        return AdaptivePlanner(self.mode, time_budget_s=None if self.budget_ms is None else self.budget_ms / 1e3,
+                               replan_every=self.replan_every, bits=self.bits, topk_ratios=self.topk_ratios)
+
+
+CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
+                    TopKConfig, RandomKConfig, KimadConfig]
+CODEC_CONFIGS = {"none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastConfig, "qsgd": QSGDConfig,
+                 "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,
+                 "randomk": RandomKConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
+CODEC_NAMES = tuple(CODEC_CONFIGS)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """A codec and how the hook applies it.
+
+    warmup_steps: uncompressed steps first. min_compress_numel: smaller buckets go uncompressed.
+    skip_1d: 1-D gradients (biases, norm weights) go exact in fp32, as PowerSGD does.
+    nonfinite: "raise" NonFiniteGradientError on every rank, or send such a bucket "uncompressed".
+    seed: keys the counter-based rounding noise and random-k's coordinates.
+    own_group: run the hook's collectives on a process group of its own (made by register), so
+    DDP's find_unused_parameters and other users of the default group never meet them.
+    """
+    codec: CodecConfig = field(default_factory=GlobalQSGDConfig)
+    warmup_steps: int = 0
+    min_compress_numel: int = 1024
+    skip_1d: bool = False
+    nonfinite: str = "raise"
+    seed: int = 0
+    own_group: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.codec, tuple(CODEC_CONFIGS.values())):
+            raise TypeError(f"codec must be one of {', '.join(c.__name__ for c in set(CODEC_CONFIGS.values()))}, "
+                            f"got {type(self.codec).__name__}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        if self.warmup_steps < 0 or self.min_compress_numel < 0:
+            raise ValueError(f"warmup_steps and min_compress_numel must be >= 0, "
+                             f"got {self.warmup_steps}, {self.min_compress_numel}")
+
+    def describe(self) -> dict:
+        """Every field, the codec's type included: what ranks compare."""
+        return {"codec_type": type(self.codec).__name__, **dataclasses.asdict(self)}
+
+
+def codec_config(name: str, **params) -> CodecConfig:
+    """The codec config for a name from CODEC_NAMES; params a codec does not take are ignored."""
+    if name not in CODEC_CONFIGS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    cls = CODEC_CONFIGS[name]
+    if cls is CastConfig:
+        return CastConfig(name)
+    if cls is KimadConfig:  # a fixed codec's bits / ratio are not Kimad's option lists
+        params = {"mode": name, "budget_ms": params.get("budget_ms"), "replan_every": params.get("replan_every")}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{key: value for key, value in params.items() if key in fields and value is not None})
+
+
+def comm_config(config: "CodecConfig | CommConfig | str", **kwargs) -> CommConfig:
+    """A CommConfig from a config object or a codec name plus keyword arguments (codec and hook fields)."""
+    hook_fields = {f.name for f in dataclasses.fields(CommConfig)} - {"codec"}
+    options = {key: value for key, value in kwargs.items() if key in hook_fields}
+    rest = {key: value for key, value in kwargs.items() if key not in hook_fields}
+    if isinstance(config, str):
+        return CommConfig(codec_config(config, **rest), **options)
+    if rest:
+        raise TypeError(f"unexpected arguments {sorted(rest)} with a config object; put them in the config")
+    if isinstance(config, CommConfig):
+        return dataclasses.replace(config, **options) if options else config
+    return CommConfig(config, **options)

@@ -1,0 +1,87 @@
+"""The fused bucket codecs: compiled (torch.compile, C++ on this CPU) and eager give the same codes
+bit for bit for every codec, the counter-based noise is a pure function of its keys and is
+independent of the bucket layout, and the segmented max matches a per-parameter loop."""
+
+import pytest
+import torch
+
+import netgain.comm as comm
+from netgain.comm import fused
+from netgain.comm.codecs import Context
+from netgain.comm.feedback import EF21
+from netgain.comm.fused import Segments
+
+SIZES = [3000, 1, 17, 2048, 5000, 999]  # parameters of a bucket: tiny ones, block-aligned ones, odd ones
+CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 6}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
+          ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 3}), ("gqsgd-exp", {"bits": 8}), ("topk", {"ratio": 0.05}),
+          ("randomk", {"ratio": 0.05})]
+
+
+def bucket(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randn(n, generator=g) * (i + 1) for i, n in enumerate(SIZES)])
+
+
+def segments(order=None):
+    order = order or list(range(len(SIZES)))
+    return Segments.build([SIZES[i] for i in order], [fused.name_key(f"p{i}") for i in order], "cpu")
+
+
+def round_trip(name, params, world_size=3):
+    """One encode + decode of a fixed bucket, faking the collective as world_size identical ranks."""
+    codec = comm.make_codec(name, **params)
+    s = segments()
+    x = bucket()
+    ctx = Context(world_size, s, fused.step_keys(s.keys, 1, 5, 0), fused.step_keys(s.keys, 1, 5, -1),
+                  scales=s.absmax(x), feedback=EF21(x.numel()) if codec.uses_feedback else None)
+    payload = codec.encode(x.clone(), ctx).clone()
+    if codec.collective == "allreduce":
+        aggregated = payload * world_size
+    elif codec.collective == "allgather":
+        aggregated = payload.expand(world_size, *payload.shape).contiguous()
+    else:
+        aggregated = payload
+    out = codec.decode(aggregated, torch.empty_like(x), ctx)
+    return payload, out
+
+
+@pytest.mark.parametrize("name,params", CODECS, ids=[f"{n}{p}" for n, p in CODECS])
+def test_compiled_and_eager_codes_are_identical(name, params, monkeypatch):
+    monkeypatch.setenv("NETGAIN_COMPILE", "0")
+    eager = round_trip(name, params)
+    monkeypatch.setenv("NETGAIN_COMPILE", "1")
+    compiled = round_trip(name, params)
+    assert torch.equal(eager[0], compiled[0]), "payloads differ"
+    assert torch.equal(eager[1], compiled[1]), "decoded buckets differ"
+
+
+def test_noise_is_a_pure_function_of_keys_and_independent_of_the_layout():
+    forward, backward = segments(), segments(list(reversed(range(len(SIZES)))))
+    keys_f, keys_b = fused.step_keys(forward.keys, 3, 7, 1), fused.step_keys(backward.keys, 3, 7, 1)
+    x = torch.zeros(sum(SIZES))
+    noise_f = fused.uniform_noise.eager(x, forward.seg, forward.starts, keys_f)
+    noise_b = fused.uniform_noise.eager(x, backward.seg, backward.starts, keys_b)
+    parts_f = dict(zip(range(len(SIZES)), noise_f.split(SIZES)))
+    parts_b = dict(zip(reversed(range(len(SIZES))), noise_b.split(list(reversed(SIZES)))))
+    assert all(torch.equal(parts_f[i], parts_b[i]) for i in range(len(SIZES)))  # each parameter's own noise
+    again = fused.uniform_noise.eager(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 1))
+    assert torch.equal(noise_f, again)
+    other_rank = fused.uniform_noise.eager(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 2))
+    assert (noise_f != other_rank).float().mean() > 0.99
+    assert 0 <= float(noise_f.min()) and float(noise_f.max()) < 1 and abs(float(noise_f.mean()) - 0.5) < 0.01
+
+
+def test_stochastic_rounding_is_unbiased():
+    s = Segments.build([200_000], [fused.name_key("w")], "cpu")
+    x = torch.full((200_000,), 2.3)
+    codes = fused.round_int8.eager(x, s.seg, s.starts, torch.ones(1), fused.step_keys(s.keys, 0, 0, 0), 127).float()
+    assert set(codes.unique().tolist()) == {2.0, 3.0}
+    assert abs(codes.mean().item() - 2.3) < 3 * 0.46 / 200_000 ** 0.5
+
+
+def test_segmented_max_matches_a_loop_and_flags_nonfinite():
+    s, x = segments(), bucket()
+    expected = torch.stack([part.abs().max() for part in x.split(SIZES)])
+    assert torch.equal(s.absmax(x), expected)
+    x[3000 + 1 + 5] = float("nan")  # inside the third parameter
+    assert torch.isnan(s.absmax(x)).tolist() == [False, False, True, False, False, False]
