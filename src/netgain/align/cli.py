@@ -31,7 +31,7 @@ def configure(parser) -> None:
     parser.add_argument("--save", default="gac", choices=VARIANTS[1:], help="which variant to save")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns")
-    parser.add_argument("--calib-seqs", type=int, default=8)
+    parser.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (SVD-LLM wants more tokens than the widest Linear input)")
     parser.add_argument("--calib-len", type=int, default=256)
     parser.add_argument("--eval-chunks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512, help="prefill tokens for latency and for GAC's cost model")
