@@ -32,12 +32,13 @@ def ddp(model):
 
 
 def grads(model):
-    return torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]).clone()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in model.module.parameters()]).clone()
 
 
-def nan_on_rank_one(rank, world_size, policy):
+def nan_on_rank_one(rank, world_size, policy, codec="gqsgd"):
     model = ddp(Layers())
-    state = comm.register(model, "gqsgd", min_compress_numel=0, nonfinite=policy)
+    state = comm.register(model, codec, min_compress_numel=0, nonfinite=policy)
     try:
         model(0, rank).backward()  # a clean step first
         model.zero_grad()
@@ -50,10 +51,11 @@ def nan_on_rank_one(rank, world_size, policy):
         state.close()  # the buckets after the failing one still complete on every rank
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_nan_raises_on_every_rank(world_size):
-    results = run(nan_on_rank_one, world_size, "raise")
-    assert all(status == "error" and "NaN/Inf" in message and "b" in message for status, message in results), results
+@pytest.mark.parametrize("world_size,codec", [(2, "gqsgd"), (3, "gqsgd"), (2, "topk"), (3, "fp16"), (2, "none")])
+def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec):
+    results = run(nan_on_rank_one, world_size, "raise", codec)
+    assert all(status == "error" and message.startswith("NonFiniteGradientError: ") and "b" in message
+               for status, message in results), results
 
 
 def test_nan_sent_uncompressed_when_asked():
@@ -97,13 +99,81 @@ def test_skip_1d_nan_in_an_exact_gradient_raises_on_every_rank():
     assert all(status == "error" and "NaN/Inf" in message for status, message in results), results
 
 
-def mismatched(rank, world_size):
-    comm.register(ddp(Layers()), "gqsgd" if rank == 0 else "qsgd")
+ALL_CODECS = [name for name in comm.CODEC_NAMES]
 
 
-def test_config_mismatch_raises_on_every_rank():
-    results = run(mismatched, 2)
-    assert all(status == "error" and "differs between ranks" in message for status, message in results), results
+def every_pair_mismatched(rank, world_size):
+    """For every pair of codecs (header codec or not, fixed or adaptive) rank 0 asks for one, rank 1 the other."""
+    raised = []
+    for i, first in enumerate(ALL_CODECS):
+        for second in ALL_CODECS[i + 1:]:
+            try:
+                comm.register(ddp(Layers()), first if rank == 0 else second)
+                raised.append(None)
+            except comm.PlanMismatchError as error:
+                raised.append(str(error))
+    return raised
+
+
+def test_mismatched_codecs_raise_plan_mismatch_on_every_rank_for_every_pair():
+    results = run(every_pair_mismatched, 2)
+    pairs = len(ALL_CODECS) * (len(ALL_CODECS) - 1) // 2
+    for status, raised in results:
+        assert status == "ok" and len(raised) == pairs and all(r and "differs between ranks" in r for r in raised)
+
+
+def direct_state_mismatched(rank, world_size):
+    """A CommState built directly (no register): the configs are compared at the first bucket."""
+    model = ddp(Layers())
+    model.register_comm_hook(comm.CommState("gqsgd" if rank == 0 else "fp16", min_compress_numel=0), comm.hook)
+    try:
+        model(0, rank).backward()
+    except comm.PlanMismatchError as error:
+        return f"PlanMismatchError: {error}"
+
+
+def test_directly_built_state_raises_plan_mismatch_as_that_class():
+    results = run(direct_state_mismatched, 2)
+    assert all(status == "ok" and value.startswith("PlanMismatchError") for status, value in results), results
+
+
+class WithUnused(Layers):
+    """Layers plus a parameter the forward never uses (DDP's find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(700))
+
+
+def mode_run(rank, world_size, codec, mode):
+    model = WithUnused() if mode == "find_unused_parameters" else Layers()
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    wrapped = DDP(model, bucket_cap_mb=0.012, find_unused_parameters=mode == "find_unused_parameters",
+                  static_graph=mode == "static_graph")
+    state = comm.register(wrapped, codec, min_compress_numel=0)
+    try:
+        for step in range(4):
+            wrapped.zero_grad()
+            if mode == "no_sync":
+                with wrapped.no_sync():
+                    wrapped(step, rank + 10).backward()
+            wrapped(step, rank).backward()
+        return grads(wrapped).float(), [h["buckets"] for h in state.history], state.last_step["raw_bytes"]
+    finally:
+        state.close()
+
+
+@pytest.mark.parametrize("codec", ["gqsgd", "topk"])
+@pytest.mark.parametrize("mode", ["find_unused_parameters", "static_graph", "no_sync", "bf16"])
+def test_ddp_modes_work(codec, mode):
+    results = run(mode_run, 2, codec, mode)
+    assert all(status == "ok" for status, _ in results), results
+    (got, buckets, raw), (other, _, _) = (value for _, value in results)
+    assert torch.equal(got, other) and torch.isfinite(got).all()
+    assert len(buckets) == 4 and all(b >= 1 for b in buckets)  # the hook ran on every synced step
+    numel = sum(p.numel() for p in (WithUnused() if mode == "find_unused_parameters" else Layers()).parameters())
+    assert raw == numel * (2 if mode == "bf16" else 4)  # raw bytes in the bucket's own dtype
 
 
 @pytest.mark.parametrize("kwargs,match", [({"codec": "zip"}, "choose one of none, fp16"),
@@ -117,12 +187,12 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
 
 
 def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
-    """Run `steps` backward passes; optionally start from a serialized CommState."""
+    """Run `steps` backward passes, optionally from a saved state; rank 0 alone returns the saved state."""
     model = ddp(Layers())
-    state = comm.register(model, codec, min_compress_numel=0, warmup_steps=warmup, seed=3)
+    state = comm.register(model, codec, min_compress_numel=0, warmup_steps=warmup, seed=3, replan_every=2)
     first = 0
     if resume_from is not None:
-        saved = torch.load(io.BytesIO(resume_from), weights_only=False)
+        saved = torch.load(io.BytesIO(resume_from), weights_only=True)  # a checkpoint is data, never code
         state.load_state_dict(saved)
         first = saved["step"]
     out = []
@@ -130,9 +200,11 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
         model.zero_grad()
         model(step, rank).backward()
         out.append(grads(model))
+    saved = state.state_dict()  # collective: every rank takes part, rank 0 writes
     buffer = io.BytesIO()
-    torch.save(state.state_dict(), buffer)
-    return out, buffer.getvalue(), state.last_step, state.history
+    torch.save(saved, buffer)
+    state.close()
+    return out, buffer.getvalue() if rank == 0 else None, state.last_step, state.history
 
 
 # the ring of gqsgd-exp cuts chunks across parameters, so its rounding noise follows DDP's bucket
@@ -141,21 +213,40 @@ RESUMABLE = ["topk", "randomk", "gqsgd", "qsgd"]
 
 
 def train_each(rank, world_size, steps, saved=None):
-    return {codec: train(rank, world_size, codec, steps, 0, saved[rank][codec] if saved else None)
-            for codec in RESUMABLE}
+    return {codec: train(rank, world_size, codec, steps, 0, saved[codec] if saved else None)
+            for codec in RESUMABLE + ["kimad+"]}
 
 
-def test_resume_restores_feedback_and_rng_exactly():
-    """Training 6 steps straight equals 3 steps, a checkpoint, and 3 steps in fresh processes."""
-    straight = run(train_each, 2, 6)
-    first_half = run(train_each, 2, 3)
-    saved = [{codec: value[codec][1] for codec in RESUMABLE} for _, value in first_half]
-    second_half = run(train_each, 2, 3, saved)
-    for rank in range(2):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_zero_checkpoint_resumes_every_rank_exactly(world_size):
+    """6 steps straight equal 3 steps, a state saved by rank 0 alone, and 3 steps in fresh processes."""
+    straight = run(train_each, world_size, 6)
+    first_half = run(train_each, world_size, 3)
+    saved = {codec: first_half[0][1][codec][1] for codec in RESUMABLE + ["kimad+"]}
+    second_half = run(train_each, world_size, 3, saved)
+    for rank in range(world_size):
         for codec in RESUMABLE:
             expected = straight[rank][1][codec][0][3:]
             resumed = second_half[rank][1][codec][0]
-            assert all(torch.equal(a, b) for a, b in zip(expected, resumed)), codec
+            assert all(torch.equal(a, b) for a, b in zip(expected, resumed)), (codec, rank)
+    # kimad+: the plan is re-measured, but what the ranks had agreed (link, compute time) carries over
+    kimad = torch.load(io.BytesIO(saved["kimad+"]), weights_only=True)
+    assert kimad["chooser"]["bandwidth"] > 0 and kimad["step"] == 3
+    assert second_half[0][1]["kimad+"][3][0]["step"] == 3
+
+
+def load_elsewhere(rank, world_size, blob):
+    state = comm.register(ddp(Layers()), "topk", min_compress_numel=0, seed=3, replan_every=2)
+    state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+
+
+def test_loading_onto_another_world_size_or_codec_raises():
+    saved = run(train, 2, "topk", 1)[0][1][1]
+    results = run(load_elsewhere, 3, saved)
+    assert all(status == "error" and "2 ranks, this run has 3" in message for status, message in results), results
+    blob = run(train, 2, "randomk", 1)[0][1][1]
+    results = run(load_elsewhere, 2, blob)
+    assert all(status == "error" and "config differs in" in message for status, message in results), results
 
 
 def test_warmup_then_statistics():
@@ -165,8 +256,9 @@ def test_warmup_then_statistics():
     assert history[0]["wire_bytes"] == history[0]["raw_bytes"]  # warm-up: uncompressed fp32
     assert last["compression_ratio"] > 2.5  # 8-bit packed at n=2 ~ 9.1 bits/element + headers
     assert {r["codec"] for r in last["per_bucket"]} == {"gqsgd(bits=8,encoding=packed)"}
-    for key in ("wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s", "wait_s"):
-        assert last[key] >= 0
+    for key in ("wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s"):
+        assert last[key] == pytest.approx(sum(r[key] for r in last["per_bucket"])) and last[key] > 0
+    assert 0 <= last["wait_s"] < 30 and last["buckets"] == len(last["per_bucket"])
 
 
 def test_state_pickles_without_process_group():

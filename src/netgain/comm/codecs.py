@@ -73,6 +73,10 @@ class Codec:
     def wire_bits(self, world_size: int) -> float:
         raise NotImplementedError
 
+    def local_scales(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """This rank's part of the header: max |g| per parameter (NaN/Inf propagate), agreed by MAX."""
+        return ctx.segments.absmax(x)
+
     def encode(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         raise NotImplementedError
 
@@ -344,31 +348,43 @@ class TopK(Sparsifier):
 
 class RandomK(Sparsifier):
     """Random-k: per parameter and step, a comb of k coordinates (stride numel // k, random offset)
-    drawn from keys shared by all ranks, so every worker picks the same coordinates and the values
-    add up in a native SUM: 32 * ratio bits/element. Every coordinate is picked with probability
-    k/numel. Biased (unscaled); EF21 keeps what it drops.
+    drawn from keys shared by all ranks, so every worker picks the same coordinates; every
+    coordinate is picked with probability k/numel. The values travel as int32 fixed point against
+    a global scale per parameter (the header's MAX of the picked |values|), so the native SUM is
+    exact: the mean does not depend on the ring's chunking or the bucket layout. 32 * ratio
+    bits/element. Biased (unscaled); EF21 keeps what it drops.
     """
 
-    name, collective, needs_scales = "randomk", "allreduce", False
+    name, collective = "randomk", "allreduce"
+    FIXED = 1 << 30  # n workers' codes of at most FIXED / n each sum below 2**31
 
     def wire_bits(self, world_size):
         return 32.0 * self.ratio
 
+    def local_scales(self, x, ctx):
+        """Picks the coordinates (shared keys) and returns max |picked residual| per parameter."""
+        s, fb = ctx.segments, ctx.feedback
+        t = ctx.table(self.describe(), lambda: self.slots(s))
+        offset = (fused.hash32(ctx.shared_keys).long() & 0x7FFFFFFF) % s.sizes  # per parameter
+        stride = s.sizes // t["k"]
+        seg = t["slot_seg"]
+        index = s.starts.long()[seg] + (offset[seg] + t["within"] * stride[seg]) % s.sizes[seg]
+        values = x[index].float() - fb.local[index]
+        ctx.sent = (index, values)
+        return torch.zeros(s.count, device=x.device).scatter_reduce(0, seg, values.abs(), "amax")
+
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            s, fb = ctx.segments, ctx.feedback
-            t = ctx.table(self.describe(), lambda: self.slots(s))
-            offset = (fused.hash32(ctx.shared_keys).long() & 0x7FFFFFFF) % s.sizes  # per parameter
-            stride = s.sizes // t["k"]
-            seg = t["slot_seg"]
-            index = s.starts.long()[seg] + (offset[seg] + t["within"] * stride[seg]) % s.sizes[seg]
-            values = x[index] - fb.local[index]
-            ctx.sent = (index, values)
-            return values / ctx.world_size
+            index, values = ctx.sent
+            step = (ctx.scales * (ctx.world_size / self.FIXED))[ctx.tables[self.describe()]["slot_seg"]]
+            codes = torch.round(values / step)
+            ctx.sent = (index, codes * step)  # what this rank really sent, for EF21
+            return codes.to(torch.int32)
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return ctx.feedback.advance(*ctx.sent, ctx.sent[0], aggregated, out)
+            step = (ctx.scales / self.FIXED)[ctx.tables[self.describe()]["slot_seg"]]
+            return ctx.feedback.advance(*ctx.sent, ctx.sent[0], aggregated.float() * step, out)
 
 
 class FixedChoice:
@@ -453,7 +469,7 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
         bucket = x.clone()
         start = time.perf_counter()
         if codec.needs_scales:
-            ctx.scales = segments.absmax(bucket)
+            ctx.scales = codec.local_scales(bucket, ctx)
         ctx.seconds["encode_s"] += time.perf_counter() - start
         payload = codec.encode(bucket, ctx)
         if codec.collective == "allreduce":

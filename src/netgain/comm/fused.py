@@ -168,13 +168,24 @@ def round_int8(x, seg, starts, multiplier, noise_keys, levels: int) -> torch.Ten
 @kernel
 def round_packed(x, seg, starts, multiplier, noise_keys, levels: int, per_word: int, width: int,
                  wide: bool) -> torch.Tensor:
-    """Offset codes in [0, 2 levels], `per_word` fields of `width` bits per int32 (int64 if wide) word."""
+    """Offset codes in [0, 2 levels], `per_word` fields of `width` bits per int32 (int64 if wide) word.
+
+    One field at a time over a (words, per_word) view: the compiler fuses the fields into one pass
+    (a reduction over the small axis compiles badly on CPU).
+    """
     pad = -x.numel() % per_word
-    codes = _rounded(F.pad(x, (0, pad)), F.pad(seg, (0, pad), value=0), starts, multiplier, noise_keys, levels)
+    xs, segs = F.pad(x, (0, pad)).view(-1, per_word), F.pad(seg, (0, pad), value=0).view(-1, per_word)
+    first = torch.arange(xs.shape[0], device=x.device, dtype=torch.int32) * per_word
     dtype = torch.int64 if wide else torch.int32
-    fields = (codes + levels).to(dtype).view(-1, per_word)
-    shifts = torch.arange(per_word, device=x.device, dtype=dtype) * width
-    return (fields << shifts).sum(1, dtype=dtype)
+    words = None
+    for j in range(per_word):
+        s = segs[:, j].long()
+        u = uniform((first + j - starts[s]) ^ noise_keys[s])
+        q = xs[:, j].float() * multiplier[s]
+        low = torch.floor(q)
+        field = ((low + (u < q - low).float()).clamp(-levels, levels) + levels).to(dtype) << (width * j)
+        words = field if words is None else words | field
+    return words
 
 
 @kernel
@@ -187,9 +198,9 @@ def scale_into(out, codes, seg, factor) -> torch.Tensor:
 @kernel
 def unpack_scale_into(out, words, seg, factor, offset: int, per_word: int, width: int) -> torch.Tensor:
     """out = (field sums - offset) * factor[param], from summed packed words, into the bucket's buffer."""
-    shifts = torch.arange(per_word, device=words.device, dtype=words.dtype) * width
-    fields = ((words.unsqueeze(1) >> shifts) & ((1 << width) - 1)).view(-1)[: out.numel()]
-    out.copy_((fields - offset).float() * factor[seg.long()])
+    mask = (1 << width) - 1  # a field (a sum of n codes) fits 31 bits: int32 from here on
+    fields = torch.stack([((words >> (width * j)) & mask).to(torch.int32) for j in range(per_word)], dim=1)
+    out.copy_((fields.view(-1)[: out.numel()] - offset).float() * factor[seg.long()])
     return out
 
 

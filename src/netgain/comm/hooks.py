@@ -177,7 +177,7 @@ class CommState:
         checked = codec.needs_header or self.chooser.checked or (
             self.config.nonfinite == "uncompressed" and not uncompressed)
         if checked:
-            scales, nonfinite = self._header(index, codec, x, segments, record)
+            scales, nonfinite = self._header(index, codec, x, ctx, record)
             if nonfinite:
                 self._nonfinite_error(index, layout, scales)  # raises, or we send this bucket uncompressed
                 codec, uncompressed, record["codec"] = _UNCOMPRESSED, True, "none (non-finite)"
@@ -214,9 +214,9 @@ class CommState:
 
         pending.then(finish)
 
-    def _header(self, index, codec, x, segments, record):
+    def _header(self, index, codec, x, ctx, record):
         """One allreduce MAX of [max |g| per parameter (+inf where non-finite), flag, signature, -signature]."""
-        maxes = segments.absmax(x)
+        maxes = codec.local_scales(x, ctx)
         finite = torch.isfinite(maxes)
         signature = float(zlib.crc32(f"{index}:{self.step}:{codec.describe()}".encode()) % (1 << 24))
         flags = torch.stack([(~finite).any().float(), torch.tensor(signature, device=x.device),
