@@ -1,79 +1,119 @@
-"""Codec cost on this machine: encode + decode time per million elements, relative to a plain
-fp32 -> fp16 cast measured in the same run, and wire bits per element.
+"""Codec cost on this machine: encode + decode time per million elements of a whole bucket, relative
+to a plain fp32 -> fp16 cast of the same tensor measured in the same run, and wire bits per element.
 
-    python bench/codecs.py [--numel 4194304] [--world-size 2 3 4] [--repeats 7]
+Encode includes the per-parameter max |g| the header needs. Each (codec, size, threads) is timed
+after one untimed call; that first call's extra time is the compile (torch.compile, when a compiler
+is present; NETGAIN_COMPILE=0 times the eager path). A second process then repeats the first calls
+to show what compiling costs once the cache is warm.
+
+    python bench/codecs.py [--numel 4194304 67108864] [--world-size 2] [--threads 1 2] [--repeats 5]
 
 Writes bench/results/codecs.md and codecs.csv.
 """
 
 import argparse
+import json
+import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from netgain.comm.codecs import CODEC_NAMES, make_codec, time_codec
+from netgain.comm import fused
+from netgain.comm.codecs import SETTINGS as VARIANTS, make_codec, time_codec
 from provenance import git_commit, write_csv
-
-VARIANTS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
-            ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}), ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}),
-            ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01})]
-assert {name for name, _ in VARIANTS} == set(CODEC_NAMES)
 
 
 def cast_seconds(numel: int, repeats: int) -> float:
     x = torch.randn(numel)
+    out = torch.empty(numel, dtype=torch.float16)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        x.to(torch.float16)
+        out.copy_(x)
         times.append(time.perf_counter() - start)
     return sorted(times)[repeats // 2]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--numel", type=int, default=1 << 22)
-    parser.add_argument("--world-size", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a DDP worker usually gets 1-2)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    cast = cast_seconds(args.numel, args.repeats)
-    per_million = 1e6 / args.numel
-    rows = []
+def first_calls(numel: int, world_size: int, parameters: int) -> dict:
+    """Seconds of each codec's first encode + decode (compile included) in this process."""
+    out = {}
     for name, params in VARIANTS:
         codec = make_codec(name, **params)
-        for n in args.world_size:
-            t = time_codec(codec, args.numel, n, repeats=args.repeats)
-            total = t["encode_s"] + t["decode_s"]
-            rows.append({"codec": codec.describe(), "world_size": n, "wire_bits": round(codec.wire_bits(n), 3),
-                         "encode_ms_per_M": round(t["encode_s"] * per_million * 1e3, 3),
-                         "decode_ms_per_M": round(t["decode_s"] * per_million * 1e3, 3),
-                         "x_fp16_cast": round(total / cast, 2), "unbiased": codec.unbiased})
-            print(rows[-1], flush=True)
+        start = time.perf_counter()
+        time_codec(codec, numel, world_size, repeats=1, parameters=parameters)
+        out[codec.describe()] = time.perf_counter() - start
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, nargs="+", default=[1 << 22, 1 << 26])
+    parser.add_argument("--world-size", type=int, nargs="+", default=[2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch intra-op threads")
+    parser.add_argument("--parameters", type=int, default=16, help="parameters per bucket (segments)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--first-calls", action="store_true", help=argparse.SUPPRESS)  # the second process
+    args = parser.parse_args()
+    if args.first_calls:
+        print(json.dumps(first_calls(1 << 16, args.world_size[0], args.parameters)))
+        return
+
+    load = os.getloadavg()[0]
+    compiled = fused.compile_enabled(torch.device("cpu"))
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for numel in args.numel:
+            cast = cast_seconds(numel, args.repeats)
+            per_million = 1e6 / numel
+            for name, params in VARIANTS:
+                codec = make_codec(name, **params)
+                for n in args.world_size:
+                    start = time.perf_counter()
+                    t = time_codec(codec, numel, n, repeats=args.repeats, parameters=args.parameters)
+                    total = t["encode_s"] + t["decode_s"]
+                    first = time.perf_counter() - start - args.repeats * total  # the untimed call, less one timed
+                    rows.append({"codec": codec.describe(), "numel": numel, "threads": threads, "world_size": n,
+                                 "wire_bits": round(codec.wire_bits(n), 3),
+                                 "encode_ms_per_M": round(t["encode_s"] * per_million * 1e3, 3),
+                                 "decode_ms_per_M": round(t["decode_s"] * per_million * 1e3, 3),
+                                 "cast_ms_per_M": round(cast * per_million * 1e3, 3),
+                                 "x_fp16_cast": round(total / cast, 2), "first_call_extra_s": round(max(first, 0.0), 2),
+                                 "unbiased": codec.unbiased})
+                    print(rows[-1], flush=True)
+    second = subprocess.run([sys.executable, __file__, "--first-calls", "--world-size", str(args.world_size[0]),
+                             "--parameters", str(args.parameters)], capture_output=True, text=True, check=True)
+    warm = json.loads(second.stdout.strip().splitlines()[-1])
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "codecs.csv", rows)
-    commit = git_commit()
+    command = (f"python bench/codecs.py --numel {' '.join(map(str, args.numel))} --world-size "
+               f"{' '.join(map(str, args.world_size))} --threads {' '.join(map(str, args.threads))} "
+               f"--parameters {args.parameters} --repeats {args.repeats}")
     lines = [
         "# Codec cost per million elements",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s), "
-        f"torch {torch.__version__}; commit {commit}; command: `python bench/codecs.py "
-        f"--numel {args.numel} --world-size {' '.join(map(str, args.world_size))} --repeats {args.repeats} --threads {args.threads}`.",
-        f"Baseline: fp32 -> fp16 cast of the same tensor, {cast * per_million * 1e3:.3f} ms per million elements "
-        "(median of repeats, same run). `x_fp16_cast` = (encode + decode) / cast.",
-        "Wire bits: payload bits per element each rank contributes (headers and per-worker scales excluded).",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"commit {git_commit()}; load average {load:.2f} at the start; command: `{command}`.",
+        f"Path: {'compiled (torch.compile, C++)' if compiled else 'eager'}. Buckets of {args.parameters} equal "
+        "parameters; encode includes the per-parameter max |g| of the header. Baseline: fp32 -> fp16 cast of the "
+        "same size into a preallocated tensor, same run and thread count (`cast ms/M`). `x cast` = (encode + decode) "
+        "/ cast. `first call +s`: extra seconds of the first, untimed call (the compile, with a cold or warm cache "
+        "in this process). Wire bits: payload bits per element each rank contributes.",
         "",
-        "| codec | n | wire bits | encode ms/M | decode ms/M | x fp16 cast | unbiased |",
-        "|---|---|---|---|---|---|---|",
+        "| codec | elements | threads | n | wire bits | encode ms/M | decode ms/M | cast ms/M | x cast | first call +s | unbiased |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['codec']} | {r['world_size']} | {r['wire_bits']} | {r['encode_ms_per_M']} | {r['decode_ms_per_M']} "
-              f"| {r['x_fp16_cast']} | {'yes' if r['unbiased'] else 'no'} |" for r in rows]
+    lines += [f"| {r['codec']} | {r['numel']:,} | {r['threads']} | {r['world_size']} | {r['wire_bits']} | "
+              f"{r['encode_ms_per_M']} | {r['decode_ms_per_M']} | {r['cast_ms_per_M']} | {r['x_fp16_cast']} | "
+              f"{r['first_call_extra_s']} | {'yes' if r['unbiased'] else 'no'} |" for r in rows]
+    lines += ["", f"A second process, compile cache warm (first encode + decode of a 65,536-element bucket, "
+              f"seconds, compile included): " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items()) + "."]
     (args.out / "codecs.md").write_text("\n".join(lines) + "\n")
     print((args.out / "codecs.md").read_text())
 

@@ -45,11 +45,14 @@ class Context:
     tables: dict = field(default_factory=dict)  # per bucket layout: a codec's own index tables
     sent: tuple | None = None            # what this rank sent, for EF21
     seconds: dict = field(default_factory=lambda: {"encode_s": 0.0, "decode_s": 0.0})
+    synchronize: bool = False            # wait for the device before reading the clock (benchmarks only)
 
     @contextmanager
     def timed(self, key: str):
         start = time.perf_counter()
         yield
+        if self.synchronize:
+            torch.cuda.synchronize()
         self.seconds[key] += time.perf_counter() - start
 
     def table(self, key, build):
@@ -435,6 +438,10 @@ def _factories():
 
 
 CODEC_NAMES = tuple(_factories())
+# every codec at the settings a user would try first (benchmarks time these)
+SETTINGS = (("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
+            ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}), ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}),
+            ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}))
 
 
 def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: float = 0.01) -> Codec:
@@ -448,7 +455,7 @@ def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: flo
 
 
 def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,
-               parameters: int = 1) -> dict:
+               parameters: int = 1, device: str = "cpu") -> dict:
     """Median encode and decode seconds for one bucket of ``numel`` (``parameters`` equal parts), in-process.
 
     encode_s includes the per-parameter max |g| that the header needs (codecs with needs_scales).
@@ -456,20 +463,25 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     codec: integer sums stay within their bounds); for the ring codec, decode includes the n - 1
     per-hop combines of one chunk each. The first call (the compile, where one happens) is not timed.
     """
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
     sizes = [numel // parameters] * parameters
     sizes[-1] += numel - sum(sizes)
-    segments = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(parameters)], "cpu")
+    segments = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(parameters)], device)
+    cuda = x.is_cuda
     tables: dict = {}
     encode_s, decode_s = [], []
     for trial in range(repeats + 1):
         ctx = Context(world_size, segments, fused.step_keys(segments.keys, seed, trial, 0),
                       fused.step_keys(segments.keys, seed, trial, -1), tables=tables,
-                      feedback=EF21(numel) if codec.uses_feedback else None)
+                      feedback=EF21(numel, device) if codec.uses_feedback else None, synchronize=cuda)
         bucket = x.clone()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         if codec.needs_scales:
             ctx.scales = codec.local_scales(bucket, ctx)
+            if cuda:
+                torch.cuda.synchronize()
         ctx.seconds["encode_s"] += time.perf_counter() - start
         payload = codec.encode(bucket, ctx)
         if codec.collective == "allreduce":

@@ -189,14 +189,18 @@ class CommState:
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
-        payload = codec.encode(x, ctx)
+        record["t_encode"] = time.perf_counter()  # trace points: encode start, payload launched / done
+        with torch.profiler.record_function(f"netgain.encode bucket {index}"):
+            payload = codec.encode(x, ctx)
+        record["t_launch"] = time.perf_counter()
         sent = communicator.start(codec.collective, payload, record,
                                   combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
         pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 
         def finish(_):
             try:
-                with _on_stream(self._stream, None):
+                record["t_done"] = time.perf_counter()
+                with _on_stream(self._stream, None), torch.profiler.record_function(f"netgain.decode bucket {index}"):
                     out = codec.decode(sent.value(), x, ctx)
                     if exact is not None:
                         out[layout.exact_index] = exact.value()
