@@ -119,7 +119,7 @@ def test_measured_cost_times_once_and_reloads_from_cache(tmp_path, monkeypatch):
     assert len(entry["times_s"]) == 3 and {"median_s", "spread", "kept", "rejected"} <= set(entry)
 
     reloaded = MeasuredCost("cpu", "float32", cache=path)
-    monkeypatch.setattr(reloaded, "_time", lambda calls: pytest.fail("cached shape was measured again"))
+    monkeypatch.setattr(reloaded, "_time", lambda calls, cold: pytest.fail("cached shape was measured again"))
     assert reloaded.gemm(16, 32, 24) == t
     assert reloaded.sdpa(1, 2, 8, 8, 16) == a
 

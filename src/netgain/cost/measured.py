@@ -5,10 +5,12 @@ is a measurement of the real shapes on the target device. `MeasuredCost` times w
 forward runs — GEMMs, SDPA, the model's own norm and activation modules, streaming elementwise
 passes (residual adds, rotary embedding, KV-cache appends) and the framework's cost per module
 call — the first time each is asked for (`netgain profile` fills the table ahead of time), with
-`netgain.cost.timing`'s interleaved rounds and outlier rejection. A GEMM reads its weight from
-memory as it does inside a model larger than the cache: the timing cycles through enough copies
-of the weight to flush the last-level cache. The table is keyed by device, thread count and dtype
-and written atomically, so an interrupted run never leaves a half-written cache.
+`netgain.cost.timing`'s interleaved rounds and outlier rejection. Inside a forward a GEMM reads
+its weight from memory, and any operand larger than a core's cache has been evicted by the kernels
+in between, so before such a call a buffer larger than the last-level cache is written, untimed
+(timed hot, a prefill norm ran 4-5x faster than inside Gemma-3-270M's forward on this CPU); small
+operands (a decode step's activations) stay hot, as they do in the model. The table is keyed by device,
+thread count and dtype and written atomically, so an interrupted run never leaves a half-written cache.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from .timing import Timing, interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CACHE_DIR = Path(os.environ.get("NETGAIN_CACHE", Path.home() / ".cache" / "netgain"))
-COLD_BYTES = 128 << 20  # weight copies cycled per GEMM timing: beyond the last-level cache of CPUs and GPUs here
-MAX_WEIGHT_COPIES = 256
+FLUSH_BYTES = 64 << 20  # written before a cold call: beyond the last-level cache of the CPUs (32 MB) and GPUs here
+HOT_BYTES = 1 << 20  # operands up to this size stay in a core's cache between kernels (L2: 2 MB here)
 CALLS_PER_SAMPLE = 100  # trivial calls timed together (one call is below the timer's resolution)
 # the cheap ops a decoder forward dispatches between its kernels, in one representative mix
 GLUE_OPS = (
@@ -93,23 +95,24 @@ class MeasuredCost:
 
     def gemm(self, m: int, k: int, n: int) -> float:
         """(M x K) @ (K x N) as nn.Linear runs it, F.linear(x[M, K], w[N, K]), weight read from memory."""
-        return self._get(f"gemm {m} {k} {n}", lambda: self._gemm_call(m, k, n))
+        return self._get(f"gemm {m} {k} {n}", lambda: self._gemm_call(m, k, n), cold=True)
 
     def sdpa(self, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool = True) -> float:
         """torch's scaled_dot_product_attention with whatever backend it picks for this head_dim."""
         causal = causal and q_len == kv_len and q_len > 1
         key = f"sdpa {batch} {heads} {q_len} {kv_len} {head_dim} {int(causal)}"
-        return self._get(key, lambda: self._sdpa_call(batch, heads, q_len, kv_len, head_dim, causal))
+        cold = self._bytes(batch * heads * (q_len + 2 * kv_len) * head_dim) > HOT_BYTES
+        return self._get(key, lambda: self._sdpa_call(batch, heads, q_len, kv_len, head_dim, causal), cold)
 
     def norm(self, module: nn.Module, shape: tuple[int, ...]) -> float:
         """The model's own norm module on an input of `shape`."""
         key = f"norm {type(module).__name__} {'x'.join(map(str, shape))}"
-        return self._get(key, lambda: self._module_call(module, shape))
+        return self._get(key, lambda: self._module_call(module, shape), self._bytes(math.prod(shape)) > HOT_BYTES)
 
     def activation(self, module: nn.Module, shape: tuple[int, ...]) -> float:
         """A gated MLP's activation: act(gate) * up on inputs of `shape`."""
         key = f"act {type(module).__name__} {'x'.join(map(str, shape))}"
-        return self._get(key, lambda: self._gated_call(module, shape))
+        return self._get(key, lambda: self._gated_call(module, shape), self._bytes(2 * math.prod(shape)) > HOT_BYTES)
 
     def elementwise(self, numel: int, passes: int = 1) -> float:
         """`passes` streaming passes (read one tensor, write one) over `numel` elements."""
@@ -122,7 +125,7 @@ class MeasuredCost:
             x = torch.randn(numel, device=self.device, dtype=DTYPES[self.dtype])
             return lambda: x.mul(1.0001)
 
-        return passes * self._get(f"pass {numel}", make)
+        return passes * self._get(f"pass {numel}", make, self._bytes(numel) > HOT_BYTES)
 
     def framework(self, calls: int, ops: int) -> float:
         """Host time of `calls` nn.Module calls and `ops` cheap aten ops (views, casts, slices, small
@@ -136,8 +139,8 @@ class MeasuredCost:
             x = torch.zeros(2, 2, device=self.device)
             return lambda: [op(x) for _ in range(CALLS_PER_SAMPLE // len(GLUE_OPS)) for op in GLUE_OPS]
 
-        per_call = self._get("call", make_calls) / CALLS_PER_SAMPLE if calls else 0.0
-        per_op = self._get("op", make_ops) / (CALLS_PER_SAMPLE // len(GLUE_OPS) * len(GLUE_OPS)) if ops else 0.0
+        per_call = self._get("call", make_calls, cold=False) / CALLS_PER_SAMPLE if calls else 0.0
+        per_op = self._get("op", make_ops, cold=False) / (CALLS_PER_SAMPLE // len(GLUE_OPS) * len(GLUE_OPS)) if ops else 0.0
         return calls * per_call + ops * per_op
 
     # --- noise and the table ----------------------------------------------------------------------
@@ -156,9 +159,9 @@ class MeasuredCost:
     def measure_gemms(self, shapes) -> None:
         """Time every missing (M, K, N) together, interleaved round by round (what `netgain profile` does)."""
         missing = {f"gemm {m} {k} {n}": (m, k, n) for m, k, n in shapes if f"gemm {m} {k} {n}" not in self.table}
-        for start in range(0, len(missing), 64):  # batches keep the weight copies in memory bounded
+        for start in range(0, len(missing), 64):  # batches keep the operands in memory bounded
             batch = dict(itertools.islice(missing.items(), start, start + 64))
-            self.table.update(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}))
+            self.table.update(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}, cold=True))
 
     def save(self) -> Path:
         """Write the table (with what it was measured on) to the cache file, atomically."""
@@ -201,22 +204,29 @@ class MeasuredCost:
 
     # --- timing ------------------------------------------------------------------------------------
 
-    def _get(self, key: str, make: Callable[[], Callable[[], object]]) -> float:
+    def _get(self, key: str, make: Callable[[], Callable[[], object]], cold: bool) -> float:
         if key not in self.table:
-            self.table.update(self._time({key: make()}))
+            self.table.update(self._time({key: make()}, cold))
         return self.table[key].median_s
 
+    def _bytes(self, numel: int) -> int:
+        return numel * torch.finfo(DTYPES[self.dtype]).bits // 8
+
     @torch.inference_mode()
-    def _time(self, calls: Mapping[str, Callable[[], object]]) -> dict[str, Timing]:
+    def _time(self, calls: Mapping[str, Callable[[], object]], cold: bool) -> dict[str, Timing]:
+        """Interleaved timing; `cold`: the caches are flushed (untimed) before every call."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-        return interleaved(calls, self.repeats, self.warmup, sync)
+        before = None
+        if cold:
+            flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=self.device)
+            before = {key: lambda: flush.fill_(1) for key in calls}
+        return interleaved(calls, self.repeats, self.warmup, sync, before)
 
     def _gemm_call(self, m: int, k: int, n: int):
         dtype = DTYPES[self.dtype]
-        copies = max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_BYTES / (n * k * torch.finfo(dtype).bits // 8))))
         x = torch.randn(m, k, device=self.device, dtype=dtype)
-        weights = itertools.cycle([torch.randn(n, k, device=self.device, dtype=dtype) for _ in range(copies)])
-        return lambda: F.linear(x, next(weights))
+        w = torch.randn(n, k, device=self.device, dtype=dtype)
+        return lambda: F.linear(x, w)
 
     def _sdpa_call(self, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool):
         dtype = DTYPES[self.dtype]
