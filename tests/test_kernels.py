@@ -244,3 +244,5 @@ def test_profile_cli_writes_a_table(tmp_path):
     assert any(k.startswith("norm LlamaRMSNorm") for k in entries) and "call" in entries and "op" in entries
     with pytest.raises(ValueError, match="--min-ratio"):
         profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--min-ratio", "0"]))
+    with pytest.raises(ValueError, match="--model must be a Hugging Face model directory"):
+        profile.run(parser.parse_args(["--model", str(tmp_path / "nothing")]))

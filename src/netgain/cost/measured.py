@@ -7,7 +7,7 @@ passes (residual adds, rotary embedding, KV-cache appends) and the framework's c
 call — the first time each is asked for (`netgain profile` fills the table ahead of time), with
 `netgain.cost.timing`'s interleaved rounds and outlier rejection. Inside a forward a GEMM reads
 its weight from memory, and any operand larger than a core's cache has been evicted by the kernels
-in between, so before such a call a buffer larger than the last-level cache is written, untimed
+in between, so before such a call a buffer larger than the last-level cache is read, untimed
 (timed hot, a prefill norm ran 4-5x faster than inside Gemma-3-270M's forward on this CPU); small
 operands (a decode step's activations) stay hot, as they do in the model. The table is keyed by device,
 thread count and dtype and written atomically, so an interrupted run never leaves a half-written cache.
@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -34,7 +35,7 @@ from .timing import Timing, interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CACHE_DIR = Path(os.environ.get("NETGAIN_CACHE", Path.home() / ".cache" / "netgain"))
-FLUSH_BYTES = 64 << 20  # written before a cold call: beyond the last-level cache of the CPUs (32 MB) and GPUs here
+FLUSH_BYTES = 64 << 20  # read before a cold call: beyond the last-level cache of the CPUs (32 MB) and GPUs here
 HOT_BYTES = 1 << 20  # operands up to this size stay in a core's cache between kernels (L2: 2 MB here)
 CALLS_PER_SAMPLE = 100  # trivial calls timed together (one call is below the timer's resolution)
 # the cheap ops a decoder forward dispatches between its kernels, in one representative mix
@@ -151,10 +152,10 @@ class MeasuredCost:
 
     @property
     def noise(self) -> float:
-        """The typical relative spread of this table's timings (90th percentile): latency differences
-        smaller than this are not evidence of a cliff."""
-        spreads = sorted(t.spread for t in self.table.values())
-        return spreads[min(len(spreads) - 1, int(0.9 * len(spreads)))] if spreads else 0.0
+        """The typical relative spread (median IQR / median) of this table's GEMM timings: a latency
+        difference between GEMMs smaller than this is not evidence of a cliff."""
+        spreads = [t.spread for key, t in self.table.items() if key.startswith("gemm ")]
+        return statistics.median(spreads) if spreads else 0.0
 
     def measure_gemms(self, shapes) -> None:
         """Time every missing (M, K, N) together, interleaved round by round (what `netgain profile` does)."""
@@ -218,8 +219,8 @@ class MeasuredCost:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         before = None
         if cold:
-            flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=self.device)
-            before = {key: lambda: flush.fill_(1) for key in calls}
+            flush = torch.ones(FLUSH_BYTES // 4, device=self.device)  # read, not written: no dirty lines to drain later
+            before = {key: lambda: flush.sum() for key in calls}
         return interleaved(calls, self.repeats, self.warmup, sync, before)
 
     def _gemm_call(self, m: int, k: int, n: int):

@@ -9,6 +9,8 @@ work around them (norms, activation, attention, elementwise passes, module calls
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .latency import predict
@@ -61,6 +63,8 @@ def run(args) -> int:
 
     if not 0 < args.min_ratio <= args.max_ratio:
         raise ValueError(f"--min-ratio/--max-ratio must satisfy 0 < min <= max, got {args.min_ratio}, {args.max_ratio}")
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model must be a Hugging Face model directory holding config.json, got {args.model!r}")
     if args.seq < 1 or args.step < 1:
         raise ValueError(f"--seq and --step must be >= 1, got --seq {args.seq}, --step {args.step}")
     config = AutoConfig.from_pretrained(args.model)
