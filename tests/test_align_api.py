@@ -154,3 +154,24 @@ def test_cholesky_adds_jitter_only_where_needed():
 def test_bad_configs_name_the_argument_and_the_allowed_values(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_measured_cost_times_every_candidate_first_and_its_noise_hides_small_cliffs():
+    class Noisy(WorkCost):
+        """Size 24 is 5% slower than 32: a cliff only where timings are tighter than that."""
+
+        def __init__(self, noise):
+            self.noise, self.measured = noise, set()
+
+        def measure_gemms(self, shapes):
+            self.measured |= set(shapes)
+
+        def gemm(self, m, k, n):
+            return 3.0 if (k, n) == (64, 160) else 1.05 if 24 in (k, n) else 1.0  # dense is slowest
+
+    unit = LowRankUnit("u", 35, 64, 1.0, 64, 160)  # candidates 16..40 (48 saves nothing), round-down 32
+    quiet, noisy = Noisy(0.0), Noisy(0.1)
+    gac.select([unit], quiet, 4, steps=2)
+    assert {(4, 64, s) for s in (16, 24, 32, 40, 35, 160)} <= quiet.measured  # candidates, proposal, dense
+    assert 24 not in gac.unit_options(unit, quiet, 4, multiple=8, steps=2)
+    assert 24 in gac.unit_options(unit, noisy, 4, multiple=8, steps=2)

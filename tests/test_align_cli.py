@@ -93,3 +93,10 @@ def test_align_cli_runs_every_method(tmp_path, method):
     rows = {r["variant"]: r for r in report["rows"]}
     assert rows["gac"]["aligned_8"] == 1.0 and rows["gac"]["unit_params"] <= report["budget"]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["method"] == method
+
+
+def test_align_cli_with_kernels_measured_here(tmp_path):
+    report = run_align(tmp_path, "--cost", "measured", "--cache", str(tmp_path / "kernels.json"), "--variants", "raw,gac")
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["gac"]["aligned_8"] == 1.0 and rows["gac"]["unit_params"] <= report["budget"]
+    assert (tmp_path / "kernels.json").exists()

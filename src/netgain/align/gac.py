@@ -43,9 +43,11 @@ def candidate_sizes(unit: Unit, multiple: int, steps: int) -> list[int]:
 
 def unit_options(unit: Unit, cost, tokens: int, multiple: int, steps: int, tolerance: float = 0.0) -> list[int]:
     """GAC's candidates for one unit: aligned sizes near the proposal, plus "unchanged" where compressing
-    at the proposed size does not pay in latency, minus the cliffs (round-down's size is never dropped)."""
+    at the proposed size does not pay in latency, minus the cliffs (round-down's size is never dropped).
+    Speed-ups within the cost's timing spread (`noise`, where it has one) are not cliffs."""
     if unit.proposed == unit.full:
         return [unit.full]
+    tolerance = max(tolerance, getattr(cost, "noise", 0.0))
     sizes = candidate_sizes(unit, multiple, steps)
     if unit_latency(unit, unit.full, cost, tokens) <= unit_latency(unit, unit.proposed, cost, tokens):
         sizes.append(unit.full)
@@ -102,9 +104,16 @@ def select(
     resolution: int = 2000,
     progress=None,
 ) -> dict[str, int]:
-    """GAC's sizes for every unit: aligned, non-cliff, within the proposal's parameter count."""
+    """GAC's sizes for every unit: aligned, non-cliff, within the proposal's parameter count.
+
+    A measured cost times every candidate's GEMMs first, interleaved (`measure_gemms`), and a speed-up
+    counts as a cliff only above both `tolerance` and the spread of its timings (`noise`).
+    """
     if multiple < 1 or steps < 1:
         raise ValueError(f"multiple and steps must be >= 1, got multiple={multiple}, steps={steps}")
+    if hasattr(cost, "measure_gemms"):
+        sizes = {u.name: candidate_sizes(u, multiple, steps) + [u.proposed, u.full] for u in units}
+        cost.measure_gemms({g for u in units for s in sizes[u.name] for g in u.gemms(s, tokens)})
     groups = []
     for unit in units:
         sizes = unit_options(unit, cost, tokens, multiple, steps, tolerance)
