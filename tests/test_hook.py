@@ -186,6 +186,34 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
         comm.make_codec(kwargs.pop("codec"), **kwargs)
 
 
+@pytest.mark.parametrize("build,match", [
+    (lambda: comm.GlobalQSGDConfig(bits=9), "bits must be in 2..8"),
+    (lambda: comm.GlobalQSGDConfig(encoding="int4"), r"encoding='int4' is not one of \('packed', 'int8'\)"),
+    (lambda: comm.TopKConfig(ratio=1.5), r"ratio must be in \(0, 1\]"),
+    (lambda: comm.CastConfig("fp8"), r"dtype='fp8' is not one of \('fp16', 'bf16'\)"),
+    (lambda: comm.KimadConfig(mode="kimad++"), r"mode='kimad\+\+' is not one of"),
+    (lambda: comm.KimadConfig(budget_ms=float("inf")), "budget_ms must be > 0 and finite"),
+    (lambda: comm.CommConfig(nonfinite="skip"), r"nonfinite='skip' is not one of \('raise', 'uncompressed'\)"),
+    (lambda: comm.CommConfig(warmup_steps=-1), "warmup_steps and min_compress_numel must be >= 0"),
+    (lambda: comm.comm_config("zip"), "choose one of none, fp16"),
+])
+def test_typed_configs_name_the_argument_and_the_allowed_values(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_configs_by_name_and_by_object_agree():
+    assert comm.comm_config("gqsgd", bits=4, warmup_steps=3) == comm.CommConfig(comm.GlobalQSGDConfig(bits=4), warmup_steps=3)
+    assert comm.comm_config("kimad+", budget_ms=50.0, bits=8).codec == comm.KimadConfig("kimad+", budget_ms=50.0)
+    with pytest.raises(TypeError, match="put them in the config"):
+        comm.comm_config(comm.TopKConfig(), ratio=0.5)
+
+
+def test_register_refuses_a_model_that_is_not_ddp():
+    with pytest.raises(TypeError, match="needs a torch.nn.parallel.DistributedDataParallel model, got Linear"):
+        comm.register(torch.nn.Linear(2, 2), "gqsgd")
+
+
 def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
     """Run `steps` backward passes, optionally from a saved state; rank 0 alone returns the saved state."""
     model = ddp(Layers())
