@@ -282,14 +282,41 @@ class Train:
             time.sleep(0.05)
 
     def workers(self) -> list[int]:
+        """The parent's spawned children (not multiprocessing's resource tracker); [] once it is gone."""
         pid = self.proc.pid
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        try:
+            children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except FileNotFoundError:
+            return []
+        return [c for c in children if _cmdline(c).find(b"spawn_main") >= 0]
 
     def finish(self, timeout: float) -> int:
         code = self.proc.wait(timeout)
         self.reader.join()
         return code
+
+    def kill(self) -> None:
+        """SIGKILL whatever a failed test left running: the workers, then the parent."""
+        if self.proc.poll() is None:
+            for pid in filter(alive, self.workers()):
+                os.kill(pid, signal.SIGKILL)
+            self.proc.kill()
+        self.finish(timeout=10)
+
+
+@pytest.fixture
+def start_train():
+    runs: list[Train] = []
+    yield lambda *argv: runs.append(Train(*argv)) or runs[-1]
+    for run in runs:
+        run.kill()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
 
 
 def alive(pid: int) -> bool:
@@ -299,9 +326,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_bad_argument_fails_in_the_parent_within_seconds():
+def test_bad_argument_fails_in_the_parent_within_seconds(start_train):
     start = time.monotonic()
-    run = Train("--lr", "inf")
+    run = start_train("--lr", "inf")
     assert run.finish(timeout=30) == 2
     seconds = time.monotonic() - start
     assert "netgain: error: train: --lr must be a finite number > 0, got inf" in run.err
@@ -311,9 +338,9 @@ def test_bad_argument_fails_in_the_parent_within_seconds():
 
 @needs_proc_children
 @pytest.mark.parametrize("sig, training", [(signal.SIGINT, True), (signal.SIGTERM, False)])
-def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, sig, training):
+def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, start_train, sig, training):
     """SIGINT once the workers train; SIGTERM while they start up."""
-    run = Train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--out", str(tmp_path))
+    run = start_train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--out", str(tmp_path))
     if training:
         run.wait_for("%|", timeout=60)
     deadline = time.monotonic() + 30
@@ -329,9 +356,21 @@ def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, sig, training):
     assert not any(map(alive, workers))
 
 
+def test_worker_failure_line_names_the_exception_and_the_timeout():
+    class Failed(Exception):
+        error_index = 1
+
+    error = Failed("-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+                   "  File \"x.py\", line 1\nRuntimeError: [gloo] Timed out waiting 3000ms for recv\n\nAt:\n"
+                   "  collectives.py(60): finished\n")
+    assert train.worker_failure(error, config("--collective-timeout", "3")) == (
+        "netgain train: worker 1 failed: RuntimeError: [gloo] Timed out waiting 3000ms for recv "
+        "(a peer was silent for --collective-timeout 3 s)")
+
+
 @needs_proc_children
-def test_frozen_peer_is_announced_and_ends_the_run(tmp_path):
-    run = Train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--collective-timeout", "2",
+def test_frozen_peer_is_announced_and_ends_the_run(tmp_path, start_train):
+    run = start_train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--collective-timeout", "2",
                 "--out", str(tmp_path))
     run.wait_for("%|", timeout=60)
     workers = run.workers()

@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -357,10 +358,12 @@ def spawn_workers(config: TrainConfig) -> int:
 
 
 def worker_failure(error: Exception, config: TrainConfig) -> str:
-    """One closing line under the worker's traceback: which worker, and why."""
-    last = next((line for line in reversed(str(error).strip().splitlines()) if line.strip()), "")
-    line = f"netgain train: worker {error.error_index} failed: {last.strip()}"
-    if "Timed out" in last:
+    """One closing line under the worker's traceback: which worker, and why (its last exception line)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)),
+                  lines[-1] if lines else "")
+    line = f"netgain train: worker {error.error_index} failed: {reason}"
+    if "Timed out" in str(error):
         line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
     return line
 
@@ -468,8 +471,12 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
     if local:  # local workers split the machine's cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     progress = SilenceNotice(rank, config.collective_timeout)
+    timeout = timedelta(seconds=config.collective_timeout)
+    # groups made later without a timeout (the comm hook's own, dist.new_group) take torch's default
+    # of 30 minutes otherwise, and a silent peer would hang them that long
+    dist.distributed_c10d.default_pg_timeout = timeout
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=config.collective_timeout))
+                            world_size=world_size, timeout=timeout)
     trainer = Trainer(config, rank, world_size, device, progress)
     try:
         trainer.train()
