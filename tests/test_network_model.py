@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from netgain import cli
-from netgain.comm.codecs import codec_profile, make_codec
+from netgain.comm.codecs import SETTINGS, candidate_profiles, codec_profile, make_codec
 from netgain.cost import advise, network as net
 
 MBIT100 = net.Link("100mbit", 100e6 / 8, 0.0)
@@ -187,19 +187,19 @@ def test_profiles_of_real_codecs():
 def test_recommendation_is_none_on_nvlink_and_a_codec_on_a_slow_link():
     buckets = net.even_buckets(1.25e8)
     compute = net.estimate_compute_s(1.25e8, 16384, net.GPUS["h100"])
-    fast = advise.evaluate(buckets, 8, net.preset("nvlink-h100"), compute, net.GPUS["h100"])
+    fast = advise.evaluate(buckets, 8, net.preset("nvlink-h100"), compute, candidate_profiles(8, net.GPUS["h100"]))
     assert advise.recommend(fast).profile.name == "none"
-    slow = advise.evaluate(buckets, 8, net.preset("10gbe"), compute, net.GPUS["a100"])
+    slow = advise.evaluate(buckets, 8, net.preset("10gbe"), compute, candidate_profiles(8, net.GPUS["a100"]))
     chosen = advise.recommend(slow)
     assert chosen.profile.name != "none" and chosen.speedup > 1.05
-    assert {r.profile.name.split("(")[0] for r in slow} == {name for name, _ in advise.CANDIDATES}
+    assert {r.profile.name.split("(")[0] for r in slow} == {name for name, _ in SETTINGS}
     assert advise.recommend(slow, unbiased_only=True).unbiased
 
 
 def test_cli_prints_every_codec_and_a_recommendation(capsys):
     assert cli.main(["model", "--params", "7e9", "--workers", "64", "--link", "25gbe"]) == 0
     out = capsys.readouterr().out
-    for name, params in advise.CANDIDATES:
+    for name, params in SETTINGS:
         assert make_codec(name, **params).describe() in out
     assert "recommendation:" in out and "**<-**" in out
     assert "7e+09 parameters" in out
@@ -236,7 +236,7 @@ def test_safetensors_only_folder_is_counted_from_headers(tmp_path):
 
 
 def test_speedups_are_relative_to_no_compression():
-    rows = advise.evaluate(net.even_buckets(1e7), 2, net.preset("lab-100mbit"), 0.5, "free")
+    rows = advise.evaluate(net.even_buckets(1e7), 2, net.preset("lab-100mbit"), 0.5, candidate_profiles(2, "free"))
     base = next(r for r in rows if r.profile.name == "none")
     assert base.speedup == 1.0
     for r in rows:

@@ -22,7 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).configure(p)
         p.set_defaults(_module=module)
+    # netgain.cost knows no codecs: `netgain model` gets their profiles from netgain.comm, as data
+    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles)
     return parser
+
+
+def _candidate_profiles(world_size, cost):
+    from netgain.comm.codecs import candidate_profiles
+
+    return candidate_profiles(world_size, cost)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -529,3 +529,15 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | network.Gpu" = "ca
         torch.set_num_threads(previous)
     enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
     return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)
+
+
+def candidate_profiles(world_size: int, cost: "str | network.Gpu") -> list[tuple[network.CodecProfile, bool]]:
+    """(profile, unbiased) of every codec in SETTINGS that runs at ``world_size``: what `netgain model` weighs."""
+    out = []
+    for name, params in SETTINGS:
+        codec = make_codec(name, **params)
+        try:
+            out.append((codec_profile(codec, world_size, cost), codec.unbiased))
+        except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
+            continue
+    return out

@@ -17,19 +17,6 @@ from pathlib import Path
 
 from netgain.cost import network as net
 
-# every codec of netgain.comm.codecs at the settings a user would try first
-CANDIDATES = (
-    ("none", {}),
-    ("fp16", {}),
-    ("bf16", {}),
-    ("qsgd", {"bits": 8}),
-    ("gqsgd", {"bits": 8, "encoding": "int8"}),
-    ("gqsgd", {"bits": 8, "encoding": "packed"}),
-    ("gqsgd", {"bits": 4, "encoding": "packed"}),
-    ("gqsgd-exp", {"bits": 8}),
-    ("topk", {"ratio": 0.01}),
-    ("randomk", {"ratio": 0.01}),
-)
 GPU_CHOICES = (*net.GPUS, "cpu")
 DEFAULT_LINK = "25gbe"
 DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb, with a first bucket of DDP_FIRST_BUCKET_MB
@@ -103,20 +90,11 @@ def resolve_link(args) -> tuple[net.Link, str]:
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
-             cost, algorithm: str = "auto") -> list[Row]:
-    """Predict every candidate codec; codecs impossible at this world size are left out."""
-    from netgain.comm.codecs import codec_profile, make_codec
-
-    predictions = []
-    for name, params in CANDIDATES:
-        codec = make_codec(name, **params)
-        try:
-            profile = codec_profile(codec, world_size, cost)
-        except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
-            continue
-        predictions.append((profile, codec.unbiased,
-                            net.predict(buckets, world_size, link, profile, compute_s,
-                                        algorithm=algorithm)))
+             profiles: list[tuple[net.CodecProfile, bool]], algorithm: str = "auto") -> list[Row]:
+    """Predict every candidate codec, given as (profile, unbiased) data: netgain.cost knows no codecs
+    (the CLI passes netgain.comm.codecs.candidate_profiles)."""
+    predictions = [(profile, unbiased, net.predict(buckets, world_size, link, profile, compute_s, algorithm=algorithm))
+                   for profile, unbiased in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
     return [Row(prof, p, baseline / p.step_s, unbiased) for prof, unbiased, p in predictions]
 
@@ -234,7 +212,7 @@ def run(args) -> int:
         compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
 
-    rows = evaluate(buckets, args.workers, link, compute_s, cost, args.algorithm)
+    rows = evaluate(buckets, args.workers, link, compute_s, args.codec_profiles(args.workers, cost), args.algorithm)
     chosen = recommend(rows, args.tolerance, args.unbiased_only)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
