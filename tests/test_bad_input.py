@@ -153,6 +153,8 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
     with pytest.raises(ValueError, match="refused, it holds more than tensors and plain data.*weights_only=True"):
         config("--resume", str(path))
     assert not marker.exists()
+    torch.load(path, weights_only=False)  # the control: an unrestricted load runs it
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("write, message", [
