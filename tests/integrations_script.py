@@ -58,9 +58,9 @@ def lightning_runs(out):
     x, y = regression_data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
-    def fit(config=None, epochs=2, ckpt_path=None, checkpoints=None, **trainer_options):
+    def fit(config=None, epochs=2, ckpt_path=None, checkpoints=None, callback=None, **trainer_options):
         module = Regression()
-        callbacks = [NetgainDDP(config)] if config is not None else []
+        callbacks = [callback or NetgainDDP(config)] if config is not None else []
         if checkpoints:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1))
         trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
@@ -80,8 +80,10 @@ def lightning_runs(out):
                "bf16_accumulate": fit(GQSGD, precision="bf16-mixed", accumulate_grad_batches=2)}
     for name, config in (("gqsgd", GQSGD), ("topk", TopKConfig(ratio=0.1))):
         folder = os.path.join(out, f"lightning_{name}")
-        fit(config, epochs=1, checkpoints=folder)
-        results[f"resumed_{name}"] = fit(config, epochs=2, ckpt_path=os.path.join(folder, "epoch=0.ckpt"))
+        callback = NetgainDDP(config)  # one callback for both fits (topk: a fresh one resumes)
+        fit(config, epochs=1, checkpoints=folder, callback=callback)
+        results[f"resumed_{name}"] = fit(config, epochs=2, ckpt_path=os.path.join(folder, "epoch=0.ckpt"),
+                                         callback=callback if name == "gqsgd" else None)
     return results
 
 
@@ -111,11 +113,16 @@ def accelerate_runs(out):
         return {"params": params(model), "hook": hook_steps(state), "ef21_step": state.step,
                 "distributed_type": str(accelerator.distributed_type)}
 
+    try:
+        register(Accelerator(cpu=True), tiny_model(), "gqsgd")
+        unprepared = ""
+    except TypeError as error:
+        unprepared = str(error)
     folder = os.path.join(out, "accelerate_ckpt")
     straight = train(6)
     first = train(3, save=folder)
     resumed = train(3, start=3, load=folder)
-    return {"straight": straight, "first": first, "resumed": resumed}
+    return {"straight": straight, "first": first, "resumed": resumed, "unprepared": unprepared}
 
 
 # ---- Hugging Face Trainer ---------------------------------------------------------------------

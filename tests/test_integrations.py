@@ -104,6 +104,7 @@ def test_accelerate_trains_and_load_state_resumes_bit_for_bit(accelerate_ranks):
         assert [h["step"] for h in rank["resumed"]["hook"]] == [3, 4, 5]
         assert same(rank["resumed"]["params"], rank["straight"]["params"])
         assert not same(rank["first"]["params"], rank["straight"]["params"])
+        assert "accelerator.prepare(model)" in rank["unprepared"], rank["unprepared"]
 
 
 def test_accelerate_single_process_names_the_distributed_launch():
@@ -123,6 +124,18 @@ def transformers_ranks(tmp_path_factory):
     return launch("transformers", tmp_path_factory.mktemp("transformers"))
 
 
+def test_hf_trainer_single_process_is_a_clear_error(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from netgain.integrations.transformers import register
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32))
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    callback = register(trainer, "topk", ratio=0.1)
+    with pytest.raises(TypeError, match="torchrun --nproc-per-node 2"):
+        callback.on_train_begin(trainer.args, trainer.state, trainer.control)
+
+
 def test_hf_trainer_hook_runs_and_resume_continues_the_codec_state(transformers_ranks):
     for rank in transformers_ranks:
         ran_every_step(rank["straight"], 6)
@@ -130,3 +143,10 @@ def test_hf_trainer_hook_runs_and_resume_continues_the_codec_state(transformers_
         assert [h["step"] for h in rank["resumed"]["hook"]] == [3, 4, 5]
         assert rank["resumed"]["ef21_step"] == 6
         assert same(rank["resumed"]["params"], rank["straight"]["params"])
+
+
+def test_clients_are_imported_only_by_their_integration_module():
+    code = ("import sys, netgain, netgain.comm, netgain.integrations\n"
+            "print(sorted(m for m in ('lightning', 'accelerate', 'pytorch_lightning') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -27,6 +27,7 @@ class NetgainDDP(Callback):
     def __init__(self, config: "CommConfig | str" = "gqsgd", **options):
         self.config = comm.comm_config(config, **options)  # validated now, not at fit start
         self.state: CommState | None = None
+        self._live = False                  # registered on this fit's DDP, not yet torn down
         self._loaded: dict | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -35,7 +36,7 @@ class NetgainDDP(Callback):
             raise TypeError(f"NetgainDDP needs a DistributedDataParallel model: Trainer(strategy='ddp' or "
                             f"'ddp_spawn', devices>=2 or num_nodes>=2); trainer.strategy.model is "
                             f"{type(model).__name__} under {type(trainer.strategy).__name__}")
-        self.state = comm.register(model, self.config)
+        self.state, self._live = comm.register(model, self.config), True
         if self._loaded is not None:
             self.state.load_state_dict(self._loaded)
             self._loaded = None
@@ -47,11 +48,16 @@ class NetgainDDP(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
-        if self.state is None:
-            self._loaded = state_dict  # restored before the DDP wrap: applied once registered
-        else:
+        if self._live:
             self.state.load_state_dict(state_dict)
+        else:
+            self._loaded = state_dict  # restored before the DDP wrap: applied once registered
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self.state is not None:
             self.state.close()
+        self._live = False
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A failed fit skips `teardown`: drain the thread before the process group goes (e.g. after NaN)."""
+        self.teardown(trainer, pl_module, "fit")
