@@ -46,8 +46,8 @@ def register(accelerator: Accelerator, model: torch.nn.Module, config: "CommConf
     names = _NAMES.setdefault(accelerator, set())
     if name in names:
         raise ValueError(f"name={name!r} is already taken on this accelerator: give each model its own name")
-    names.add(name)
     state = comm.register(model, config, **options)
+    names.add(name)
     filename = f"{name}.pt"
 
     def save(models, weights, output_dir):
