@@ -245,7 +245,8 @@ def report(rows, summary, predicted, meta, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", nargs="+", default=["none", "1gbit"], choices=["none", "1gbit", "100mbit"])
+    parser.add_argument("--rates", nargs="+", default=["none", "1gbit"],
+                        help="lab egress rates per worker (none, 1gbit, 100mbit, 20mbit, ...)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--contestants", nargs="+", default=["ddp", "ddp-fp16", "ddp-powersgd-r4", "none", "fp16",
                                                             "gqsgd-8", "gqsgd-4", "kimad+"], choices=list(CONTESTANTS))

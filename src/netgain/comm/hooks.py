@@ -10,7 +10,9 @@ one fused pass and LAUNCHES its payload collective asynchronously, then moves on
 bucket: encoding bucket k+1 overlaps bucket k on the wire. The payload's future decodes straight
 into the bucket's buffer (`.then`). Issuing every collective from that one thread, on the hook's
 own process group, keeps their order identical on every rank. On CUDA the work runs on a side
-stream that waits on an event of the backward's stream, never synchronising it.
+stream that waits on an event of the backward's stream, never synchronising it. A fixed codec with
+no header (none, fp16, bf16, qsgd) has nothing to wait for before its one collective, so the hook
+launches it from DDP's own thread, as PyTorch's hooks do, and skips the hand-off.
 
 Errors: the header makes every rank see the same verdict, so NaN/Inf or a plan mismatch raises
 on every rank; the hook of the step's last bucket waits for every bucket's verdict and raises the
@@ -76,6 +78,7 @@ class CommState:
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
         self._started = False
+        self._inline = False
         self._config_checked = False
         self._jobs: list[dict] = []          # this step's buckets so far, in order (a new list per step)
         self._failure: str | None = None     # why a bucket of this step failed; later buckets skip
@@ -121,7 +124,10 @@ class CommState:
         step_jobs.append(job)
         if job["last"]:
             self._jobs = []  # the next backward's buckets start a new step, whenever this one ends
-        self._executor.submit(self._run, job)
+        if self._inline:  # no header to wait for: launch from here, as PyTorch's own hooks do
+            self._run(job)
+        else:
+            self._executor.submit(self._run, job)
         if job["last"]:
             _raise_verdicts(step_jobs)
         return result
@@ -133,8 +139,11 @@ class CommState:
         if not self._config_checked:
             _check_same_config(self.config, self.process_group)
             self._config_checked = True
+        # A fixed codec without a header issues one collective per bucket and waits for nothing before
+        # it: DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
+        self._inline = not self.chooser.checked and not self.chooser.codec.needs_header and self.config.nonfinite == "raise"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and not self._inline:
             self._stream = torch.cuda.Stream()
         self._started = True
 
