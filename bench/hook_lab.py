@@ -232,7 +232,8 @@ def report(rows, summary, predicted, meta, out: Path) -> None:
                      f"{ratio('x_ddp')} | {ratio('x_fp16_hook')} | {ratio('x_powersgd')} |")
     if predicted:
         lines += ["", "Cost model (netgain.cost.network.predict from each row's measured wire bytes and codec time; "
-                  "compute = fp32 DDP's step at no rate limit, same model):", "",
+                  "compute = fp32 DDP's step at no rate limit, same model: "
+                  + ", ".join(f"{n} workers {1e3 * s:.1f} ms" for n, s in meta["compute_s"].items()) + "):", "",
                   "| rate | workers | contestant | round | measured s | predicted s | error |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {p['rate']} | {p['workers']} | {p['contestant']} | {p['round']} | {p['measured_s']:.3f} | "
                   f"{p['predicted_s']:.3f} | {100 * p['error']:+.1f}% |" for p in predicted]
@@ -289,6 +290,8 @@ def main(argv=None) -> int:
             "commit": git_commit(), "command": "python " + " ".join(sys.argv),
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "rounds", "steps", "warmup",
                                              "bucket_mb")}}
+    if compute:
+        meta["compute_s"] = compute  # fp32 DDP's step with no rate limit, per world size
     if args.trace:
         meta["trace"] = overlap([r for r in rows if r["round"] == args.rounds - 1])
     report(rows, summarise(rows), predictions(rows, compute) if args.predict else [], meta, args.out)
