@@ -82,12 +82,17 @@ def _aggregates(rank, world):
         fsdp.register(model, mesh, GlobalQSGDConfig(bits=8 if rank else 4))
     except PlanMismatchError as error:
         results["mismatch"] = type(error).__name__
+    from torch.distributed.fsdp import fully_shard
+    try:
+        fsdp.register(fully_shard(_model(), mesh=mesh), mesh)  # native HSDP: FSDP's own fp32 all-reduce
+    except ValueError as error:
+        results["native"] = str(error)
     codecs = {"none": NoCompressionConfig(), "fp16": CastConfig("fp16"), "bf16": CastConfig("bf16"),
               "gqsgd-int8": GlobalQSGDConfig(bits=8, encoding="int8"), "gqsgd-8": GlobalQSGDConfig(bits=8),
-              "gqsgd-4": GlobalQSGDConfig(bits=4)}
+              "gqsgd-4": GlobalQSGDConfig(bits=4), "skip-1d": GlobalQSGDConfig(bits=4)}
     for label, config in codecs.items():
-        state = fsdp.register(model, mesh, config, min_compress_numel=0)
-        steps = 1 if label in ("none", "fp16", "bf16") else STEPS
+        state = fsdp.register(model, mesh, config, min_compress_numel=0, skip_1d=label == "skip-1d")
+        steps = 1 if label in ("none", "fp16", "bf16", "skip-1d") else STEPS
         estimates = []
         for _ in range(steps):
             _loss(model, rank).backward()
@@ -137,6 +142,13 @@ def test_gqsgd_within_its_bound_and_unbiased(aggregates, label, levels):
         assert abs(t.mean()) <= 3 * t.std() / len(t) ** 0.5, (label, float(t.mean()), float(t.std()))
 
 
+def test_skip_1d_sends_biases_exact(aggregates):
+    for rank in aggregates:
+        (grads,) = rank["skip-1d"]["estimates"]
+        for name, (mean, _) in rank["reference"].items():
+            assert torch.equal(grads[name], mean) == name.endswith("bias"), name
+
+
 @pytest.mark.parametrize("label, relative", [("fp16", 2.0**-10), ("bf16", 2.0**-7)])
 def test_casts_within_their_rounding(aggregates, label, relative):
     for rank in aggregates:
@@ -158,6 +170,11 @@ def test_statistics_of_every_step(aggregates):
 def test_nan_and_plan_mismatch_raise_on_every_rank(aggregates):
     assert [rank["nan"] for rank in aggregates] == ["NonFiniteGradientError"] * 4
     assert [rank["mismatch"] for rank in aggregates] == ["PlanMismatchError"] * 4
+
+
+def test_a_model_sharded_over_the_2d_mesh_is_refused(aggregates):
+    for rank in aggregates:
+        assert "call fully_shard(module, mesh=mesh['shard'])" in rank["native"]
 
 
 def _train(model, optimizer, rank, steps, first):
