@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from netgain.cost import latency, published
-from netgain.cost.kernels import PRESETS, AnalyticCost
+from netgain.cost.kernels import GPUS, AnalyticCost
 from netgain.cost.measured import cpu_name
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,7 +65,7 @@ def worst_error(ms: dict[str, float]) -> float:
 
 
 def fit(recorders) -> tuple[float, dict]:
-    base, best = PRESETS["a100"], None
+    base, best = GPUS["a100"], None
     for efficiency in np.arange(0.5, 0.851, 0.01):
         for align1 in np.arange(0.2, ALIGN2 + 1e-9, 0.01):
             gpu = dataclasses.replace(base, efficiency=round(float(efficiency), 3), align2=ALIGN2, align1=round(float(align1), 3))
@@ -92,7 +92,7 @@ def main() -> int:
     if args.fit:
         error, constants = fit(recorders)
         lines.append(f"Fit (grid search): {constants}, worst error {100 * error:.1f}% over {', '.join(FIT_ROWS)} and the ASVD raw/GAC ratio.\n")
-    gpu = PRESETS["a100"]
+    gpu = GPUS["a100"]
     ms, ms_512 = predicted_ms(recorders, gpu), predicted_ms(at_512, gpu)
     paper = published.PAPER_A100_MS
     rows = [{"variant": n, "aligned_8_dims": aligned[n], "paper_ms": paper[n], "predicted_ms": ms[n], "error": ms[n] / paper[n] - 1,

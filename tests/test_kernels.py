@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from netgain.cost import latency, profile, published
-from netgain.cost.kernels import PRESETS, AnalyticCost, gemm_tier
+from netgain.cost.kernels import GPUS, AnalyticCost, gemm_tier
 from netgain.cost.measured import MeasuredCost
 from netgain.cost.profile import linear_shapes, rank_sweep
 from netgain.cost.timing import interleaved, summarise
@@ -23,7 +23,7 @@ def test_gemm_tiers_follow_alignment_of_k_and_n():
     assert gemm_tier(4096, 107) == "align1"
 
 
-@pytest.mark.parametrize("gpu", sorted(PRESETS))
+@pytest.mark.parametrize("gpu", sorted(GPUS))
 def test_misaligned_rank_is_slower_than_a_larger_aligned_one(gpu):
     cost = AnalyticCost(gpu)
     for tokens in (1, 1024):

@@ -10,6 +10,7 @@ import torch
 from netgain import cli
 from netgain.comm.codecs import SETTINGS, candidate_profiles, codec_profile, make_codec
 from netgain.cost import advise, network as net
+from netgain.cost.kernels import GPU, GPUS
 
 MBIT100 = net.Link("100mbit", 100e6 / 8, 0.0)
 
@@ -168,7 +169,7 @@ def test_memory_bound_cost_and_compute_estimate():
     enc, dec, comb = net.memory_bound_cost(8, "allgather", 4, True, 1e12)
     assert dec == pytest.approx(8e-12)
     assert net.memory_bound_cost(8, "ring", 4, True, 1e12)[2] == pytest.approx(3e-12)
-    gpu = net.Gpu("g", 1e15, 1e12)
+    gpu = GPU("g", sms=100, tensor_tflops=1000.0, memory_gbps=1000.0)
     assert net.estimate_compute_s(1e9, 1000, gpu, mfu=0.5) == pytest.approx(6e12 / 5e14)
 
 
@@ -186,10 +187,10 @@ def test_profiles_of_real_codecs():
 
 def test_recommendation_is_none_on_nvlink_and_a_codec_on_a_slow_link():
     buckets = net.even_buckets(1.25e8)
-    compute = net.estimate_compute_s(1.25e8, 16384, net.GPUS["h100"])
-    fast = advise.evaluate(buckets, 8, net.preset("nvlink-h100"), compute, candidate_profiles(8, net.GPUS["h100"]))
+    compute = net.estimate_compute_s(1.25e8, 16384, GPUS["h100"])
+    fast = advise.evaluate(buckets, 8, net.preset("nvlink-h100"), compute, candidate_profiles(8, GPUS["h100"]))
     assert advise.recommend(fast).profile.name == "none"
-    slow = advise.evaluate(buckets, 8, net.preset("10gbe"), compute, candidate_profiles(8, net.GPUS["a100"]))
+    slow = advise.evaluate(buckets, 8, net.preset("10gbe"), compute, candidate_profiles(8, GPUS["a100"]))
     chosen = advise.recommend(slow)
     assert chosen.profile.name != "none" and chosen.speedup > 1.05
     assert {r.profile.name.split("(")[0] for r in slow} == {name for name, _ in SETTINGS}

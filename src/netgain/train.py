@@ -471,12 +471,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
     if local:  # local workers split the machine's cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     progress = SilenceNotice(rank, config.collective_timeout)
-    timeout = timedelta(seconds=config.collective_timeout)
-    # groups made later without a timeout (the comm hook's own, dist.new_group) take torch's default
-    # of 30 minutes otherwise, and a silent peer would hang them that long
-    dist.distributed_c10d.default_pg_timeout = timeout
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=config.collective_timeout))  # the hook's own group takes it too
     trainer = Trainer(config, rank, world_size, device, progress)
     try:
         trainer.train()

@@ -106,12 +106,12 @@ def align_config(args):
 
 
 def run(args) -> int:
-    from ..cost.kernels import PRESETS, AnalyticCost
+    from ..cost.kernels import GPUS, AnalyticCost
 
     variants = _parse_list(args.variants, VARIANTS, "variants")
     if args.save not in variants:
         raise SystemExit(f"--save {args.save} must be one of the evaluated --variants ({', '.join(variants)})")
-    predict = _parse_list(args.predict, tuple(PRESETS), "predict") if args.predict else []
+    predict = _parse_list(args.predict, tuple(GPUS), "predict") if args.predict else []
     config = align_config(args)
     source = model_dir(args.model)
     out = check_out(args.out, source)

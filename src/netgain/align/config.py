@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cost.kernels import PRESETS, AnalyticCost
+from ..cost.kernels import GPUS, AnalyticCost
 from .compressor import Compressor
 from .lowrank import ASVD
 from .prune import Pruner, parse_layers
 from .svdllm import SVDLLM
 
 VARIANTS = ("raw", "round-nearest", "round-down", "gac")  # the sizes `compress` can apply
-COSTS = ("measured",) + tuple(sorted(PRESETS))
+COSTS = ("measured",) + tuple(sorted(GPUS))
 
 
 class _BuiltToValidate:

@@ -26,6 +26,7 @@ from . import quantize as Q
 from .feedback import EF21
 from .fused import Segments
 from ..cost import network
+from ..cost.kernels import GPU
 
 BITS_RANGE = range(2, 9)
 ENCODINGS = ("packed", "int8")
@@ -500,26 +501,26 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     return {"encode_s": sorted(encode_s)[repeats // 2], "decode_s": sorted(decode_s)[repeats // 2]}
 
 
-def codec_profile(codec: Codec, world_size: int, cost: "str | network.Gpu" = "calibrate",
+def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate",
                   calibration_numel: int | None = None, threads: int | None = None) -> network.CodecProfile:
     """The cost model's view of a codec at ``world_size``, as data (netgain.cost knows no codecs).
 
     cost: "calibrate" times encode/decode on this machine (the fastest of 3 medians, at
-    ``threads`` torch threads: a lab worker's share of the cores); a Gpu: a fused kernel limited by
+    ``threads`` torch threads: a lab worker's share of the cores); a GPU: a fused kernel limited by
     memory traffic (network.memory_bound_cost); "free": codec work costs nothing.
     """
     network.check_world(world_size)
     wire_bits = codec.wire_bits(world_size)
     header = network.HEADER_BYTES if codec.needs_header else 0
     name = codec.describe()
-    if isinstance(cost, network.Gpu):
+    if isinstance(cost, GPU):
         enc, dec, comb = network.memory_bound_cost(wire_bits, codec.collective, world_size,
                                                    codec.needs_scales, cost.memory_bandwidth)
         return network.CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb)
     if cost == "free":
         return network.CodecProfile(name, wire_bits, codec.collective, header)
     if cost != "calibrate":
-        raise ValueError(f"cost: must be a Gpu or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
+        raise ValueError(f"cost: must be a GPU or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
     numel = calibration_numel or max(2**14, 2**22 // world_size)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
@@ -531,7 +532,7 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | network.Gpu" = "ca
     return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)
 
 
-def candidate_profiles(world_size: int, cost: "str | network.Gpu") -> list[tuple[network.CodecProfile, bool]]:
+def candidate_profiles(world_size: int, cost: "str | GPU") -> list[tuple[network.CodecProfile, bool]]:
     """(profile, unbiased) of every codec in SETTINGS that runs at ``world_size``: what `netgain model` weighs."""
     out = []
     for name, params in SETTINGS:

@@ -395,7 +395,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "Comm
     group = options.pop("process_group", None)
     comm = comm_config(config, **options)
     if group is None and comm.own_group and dist.get_world_size() > 1:
-        group = dist.new_group(backend=dist.get_backend())
+        group = dist.new_group(backend=dist.get_backend(), timeout=_default_group_timeout())
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     state = CommState(comm, process_group=group, param_names=names)
     if dist.get_world_size(group) > 1:
@@ -404,6 +404,16 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "Comm
     ddp_model.register_comm_hook(state, hook)
     ddp_model.module.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
     return state
+
+
+def _default_group_timeout():
+    """The default group's collective timeout, so the hook's group ends a run with a silent peer as soon
+    (new_group would otherwise take torch's default, 30 minutes on gloo); None where torch hides it."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _check_same_config(config: CommConfig, group) -> None:

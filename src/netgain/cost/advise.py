@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from netgain.cost import network as net
+from netgain.cost.kernels import GPUS
 
-GPU_CHOICES = (*net.GPUS, "cpu")
+GPU_CHOICES = (*GPUS, "cpu")
 DEFAULT_LINK = "25gbe"
 DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb, with a first bucket of DDP_FIRST_BUCKET_MB
 DDP_FIRST_BUCKET_MB = 1.0
@@ -188,7 +189,7 @@ def check_args(args) -> None:
 def run(args) -> int:
     check_args(args)
     link, device = resolve_link(args)
-    gpu = net.GPUS.get(args.gpu or device)
+    gpu = GPUS.get(args.gpu or device)
     cost_name = args.codec_cost or ("memory" if gpu else "calibrate")
     if cost_name == "memory" and gpu is None:
         raise ValueError("--codec-cost memory needs a GPU (--gpu a100|h100)")

@@ -54,11 +54,20 @@ class GPU:
     align2: float = 0.769  # CUTLASS align2 kernels (even K and N): the paper's ~30% penalty (1 / 1.3)
     align1: float = 0.44  # fitted: CUTLASS align1 kernels (odd K or N); the paper: 50-110 vs 160-175 TFLOPS
 
+    @property
+    def peak_flops(self) -> float:
+        return self.tensor_tflops * 1e12
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Bytes/s of HBM."""
+        return self.memory_gbps * 1e9
+
     def tier_efficiency(self, tier: str) -> float:
         return {"native": 1.0, "native-k8": self.native_k8, "align2": self.align2, "align1": self.align1}[tier]
 
 
-PRESETS = {
+GPUS = {  # the one GPU spec table (datasheets): the kernel model and the network model read it
     "a100": GPU("NVIDIA A100-SXM4-80GB", sms=108, tensor_tflops=312.0, memory_gbps=2039.0),
     "h100": GPU("NVIDIA H100-SXM5-80GB", sms=132, tensor_tflops=989.0, memory_gbps=3350.0),
     "h200": GPU("NVIDIA H200-SXM-141GB", sms=132, tensor_tflops=989.0, memory_gbps=4800.0),
@@ -79,9 +88,9 @@ class AnalyticCost:
 
     def __init__(self, gpu: GPU | str):
         if isinstance(gpu, str):
-            if gpu not in PRESETS:
-                raise ValueError(f"gpu must be one of {sorted(PRESETS)} or a GPU, got {gpu!r}")
-            gpu = PRESETS[gpu]
+            if gpu not in GPUS:
+                raise ValueError(f"gpu must be one of {sorted(GPUS)} or a GPU, got {gpu!r}")
+            gpu = GPUS[gpu]
         self.gpu = gpu
         self.name = gpu.name
         self.preferred_multiple = gpu.preferred_multiple

@@ -17,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .kernels import GPU
+
 # TCP/IPv4 payload per full-size frame at MTU 1500 (1448 bytes with timestamps) over what counts
 # against the limit: a whole Ethernet frame on a physical wire (1538 bytes incl. preamble and
 # inter-frame gap), or the L2 frame (1514 bytes) that `tc tbf` meters on a veth.
@@ -46,20 +48,6 @@ class Link:
         return cls(name, bits_per_s / 8 * efficiency, latency, note)
 
 
-@dataclass(frozen=True)
-class Gpu:
-    """What the model needs of an accelerator: dense bf16 peak (compute estimate) and HBM rate."""
-
-    name: str
-    peak_flops: float
-    memory_bandwidth: float
-
-
-# Datasheet numbers (NVIDIA A100 / H100 SXM datasheets): dense bf16 tensor-core peak, HBM bandwidth.
-GPUS = {
-    "a100": Gpu("a100", 312e12, 2.039e12),
-    "h100": Gpu("h100", 989e12, 3.35e12),
-}
 
 # Fabric presets. Bandwidths are per GPU and per direction, taken as 80% of the nominal rate
 # (what NCCL-style rings typically reach), latency is a per-step figure of the transport.
@@ -103,7 +91,7 @@ def preset(name: str) -> Link:
 
 
 def preset_device(name: str) -> str:
-    """What a preset's fabric usually connects: a key of GPUS, or "cpu" for the lab."""
+    """What a preset's fabric usually connects: a key of kernels.GPUS, or "cpu" for the lab."""
     preset(name)
     return PRESETS[name][1]
 
@@ -331,7 +319,7 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
                       step - compute_s, sent, len(buckets))
 
 
-def estimate_compute_s(params: float, tokens_per_step: float, gpu: Gpu, mfu: float = 0.4) -> float:
+def estimate_compute_s(params: float, tokens_per_step: float, gpu: GPU, mfu: float = 0.4) -> float:
     """Forward+backward time of a transformer step: 6 * params * tokens FLOPs at `mfu` of peak."""
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu: must be in (0, 1], got {mfu!r}")
