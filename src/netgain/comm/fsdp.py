@@ -99,11 +99,11 @@ class FSDPCommState(CommState):
                                "model.set_reduce_scatter_unused_params(True) so every rank sends the same layout")
         names = [self._name(p.sharded_param) for p in params]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        exact = [torch.arange(o, o + k, device=flat.device)
-                 for o, k, p in zip(offsets, sizes, params) if p.sharded_param.dim() <= 1]
+        exact = [torch.arange(o, o + k, device=flat.device) for o, k, p in zip(offsets, sizes, params)
+                 if self.config.skip_1d and p.sharded_param.dim() <= 1]
         layout = BucketLayout(names, list(zip(offsets, sizes)),
                               Segments.build(sizes, [name_key(n) for n in names], flat.device),
-                              torch.cat(exact) if exact and self.config.skip_1d else None)
+                              torch.cat(exact) if exact else None)
         self._layouts[index] = (key, layout)
         return layout
 
