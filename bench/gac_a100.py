@@ -31,7 +31,7 @@ from provenance import git_commit  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIT_ROWS = ("dense", "llm-pruner", "llm-pruner+gac")
-ALIGN2 = round(1 / 1.3, 3)  # papers/gac.md: the align2 kernel tier costs ~30%
+ALIGN2 = round(1 / 1.3, 3)  # ../shared/papers/gac.md: the align2 kernel tier costs ~30%
 
 
 class Recorder:

@@ -40,7 +40,7 @@ from provenance import git_commit  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RUNS = ROOT / "runs"
-PAPER_MS = {"dense": 99.6, "raw": 100.5, "gac": 67.1}  # Llama-3-8B, A100, S=1024 (papers/gac.md)
+PAPER_MS = {"dense": 99.6, "raw": 100.5, "gac": 67.1}  # Llama-3-8B, A100, S=1024 (../shared/papers/gac.md)
 SYNTHETIC_RATIOS = (0.75, 0.8, 0.85, 0.9, 0.95)
 VARIANTS = ("dense", "raw", "round-nearest", "round-down", "gac")
 

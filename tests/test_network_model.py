@@ -16,7 +16,7 @@ MBIT100 = net.Link("100mbit", 100e6 / 8, 0.0)
 
 
 def test_ring_allreduce_matches_the_quoted_lab_model():
-    # resources.md: 25 MB fp32 at 100 Mbit/s, ring: 2.00 s for 2 workers, 3.00 s for 4
+    # ../shared/resources.md: 25 MB fp32 at 100 Mbit/s, ring: 2.00 s for 2 workers, 3.00 s for 4
     assert net.ring_allreduce_s(25e6, 2, MBIT100) == pytest.approx(2.0)
     assert net.ring_allreduce_s(25e6, 4, MBIT100) == pytest.approx(3.0)
     assert net.ring_allreduce_s(25e6, 2, net.Link("1g", 1e9 / 8, 0.0)) == pytest.approx(0.2)

@@ -2,7 +2,7 @@
 
 A model, not a measurement: it predicts how latency moves with a layer's size on a GPU this
 machine does not have (A100 / H100 / H200, FP16/BF16). It encodes the mechanisms GAC measured
-(papers/gac.md): the cuBLAS kernel tier chosen by K and N alignment (%8 native, even -> align2,
+(../shared/papers/gac.md): the cuBLAS kernel tier chosen by K and N alignment (%8 native, even -> align2,
 odd -> align1), the tensor-core k-step (K % 16), GEMV bandwidth loss when K % 8 != 0, tile and
 wave quantisation (a tile grid just past a multiple of the SM count runs one more, nearly empty
 wave), FlashAttention's compiled head-dim templates and SDPA's fallback to the math kernel when

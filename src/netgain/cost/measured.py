@@ -1,6 +1,6 @@
 """Kernel and per-layer overhead latency measured on the current device (CUDA when present, else CPU), cached as JSON.
 
-Rules of thumb about alignment differ per GPU and per CPU (papers/gac.md): the only reliable cost
+Rules of thumb about alignment differ per GPU and per CPU (../shared/papers/gac.md): the only reliable cost
 is a measurement of the real shapes on the target device. `MeasuredCost` times what a decoder
 forward runs — GEMMs, SDPA, the model's own norm and activation modules, streaming elementwise
 passes (residual adds, rotary embedding, KV-cache appends) and the framework's cost per module

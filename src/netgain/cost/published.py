@@ -1,6 +1,6 @@
 """The GAC paper's published A100 latencies and the Llama-3-8B shapes behind them: the analytic model's calibration set.
 
-papers/gac.md, Table "The authors' results": Llama-3-8B, 15% of the decoder-Linear parameters
+../shared/papers/gac.md, Table "The authors' results": Llama-3-8B, 15% of the decoder-Linear parameters
 removed, FP16, batch 1, prefill of 1024 tokens on an A100 (the authors' scripts call
 `model(input_ids)`, so the LM head runs for every token). The authors' per-layer sizes are not
 published, so each row's shapes are rebuilt from what the paper and its scripts specify:
