@@ -193,14 +193,8 @@ class GlobalQSGD(Codec):
             return fused.unpack_scale_into(out, aggregated, s.seg, factor, n * levels, per_word, width)
 
 
-class QSGD(Codec):
-    """Classic QSGD: each worker's own scale per parameter, 2^(b-1)-1 levels per sign, stochastic
-    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
-    Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
-    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
-    """
-
-    name, collective, unbiased, needs_scales = "qsgd", "allgather", True, False
+class Int8Codes(Codec):
+    """Codecs whose codes travel as int8 whatever ``bits`` (2^(bits-1)-1 levels per sign): 8 bits/element."""
 
     def __init__(self, bits: int = 8):
         self.bits, self.levels = bits, Q.levels_per_side(bits)
@@ -210,6 +204,16 @@ class QSGD(Codec):
 
     def wire_bits(self, world_size):
         return 8.0
+
+
+class QSGD(Int8Codes):
+    """Classic QSGD: each worker's own scale per parameter, 2^(b-1)-1 levels per sign, stochastic
+    rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
+    Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
+    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
+    """
+
+    name, collective, unbiased, needs_scales = "qsgd", "allgather", True, False
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
@@ -227,7 +231,7 @@ class QSGD(Codec):
             return out.copy_((codes * factor[:, seg]).sum(0))
 
 
-class GlobalQSGDExp(Codec):
+class GlobalQSGDExp(Int8Codes):
     """Global-QSGD exponential dithering: power-of-two levels against the global scale per parameter.
 
     Sums of powers of two are not powers of two, so a native SUM cannot add the codes: a ring
@@ -237,15 +241,6 @@ class GlobalQSGDExp(Codec):
     """
 
     name, collective, unbiased = "gqsgd-exp", "ring", True
-
-    def __init__(self, bits: int = 8):
-        self.bits, self.levels = bits, Q.levels_per_side(bits)
-
-    def params(self):
-        return {"bits": self.bits}
-
-    def wire_bits(self, world_size):
-        return 8.0
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
