@@ -363,7 +363,7 @@ def worker_failure(error: Exception, config: TrainConfig) -> str:
     reason = next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)),
                   lines[-1] if lines else "")
     line = f"netgain train: worker {error.error_index} failed: {reason}"
-    if "Timed out" in str(error):
+    if re.search(r"timed out|timeout", str(error), re.IGNORECASE):  # gloo and NCCL word it differently
         line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
     return line
 
