@@ -6,7 +6,7 @@
 `DistributedDataParallelKwargs(comm_hook=...)` takes only Accelerate's own hooks, so this registers
 the hook itself. The codec state goes through save-state / load-state pre-hooks, not
 `register_for_checkpointing`: Accelerate saves a registered object's state on rank 0 only after
-calling its `state_dict` (fine, ours is collective) but loads it with `weights_only=False`; here the
+calling its `state_dict` (fine, ours is collective) but unpickles it unrestricted (it can run code); here the
 file is `<dir>/netgain_comm.pt`, written by rank 0 and read by every rank with `weights_only=True`.
 """
 
