@@ -38,8 +38,6 @@ sys.path.insert(0, str(HERE))
 CONTESTANTS = {"native-fp32": None, "fp32": ("none", {}), "gqsgd-8": ("gqsgd", {"bits": 8}),
                "gqsgd-4": ("gqsgd", {"bits": 4})}
 NODES, PER_NODE = 2, 2
-QUIET = Path("/tmp/netgain-quiet")  # the shared machine's timed windows (one file per engineer)
-FLAG = QUIET / "helper-issue15"
 
 
 # ---------------------------------------------------------------- one worker (inside the lab)
@@ -127,36 +125,22 @@ def join_nodes(lab, rate: str) -> None:
 
 
 def run(args) -> tuple[list[dict], float, float]:
-    """The contestants' rows, and the load average before and after (the quiet protocol's window)."""
+    """The contestants' rows, and the load average before and after."""
     from lab import Lab
+    from provenance import wait_for_quiet
 
-    load = quiet(wait_s=args.wait_s)
-    try:
-        with tempfile.TemporaryDirectory(prefix="netgain-fsdp-lab-") as folder:
-            out = Path(folder) / "rows.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-                   *worker_flags(args)]
-            with Lab(NODES * PER_NODE, None) as lab:
-                join_nodes(lab, args.rate)
-                codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"}, timeout=900)
-            if any(codes):
-                raise RuntimeError(f"lab workers failed with exit codes {codes}")
-            rows = json.loads(out.read_text())
-        return rows, load, os.getloadavg()[0]
-    finally:
-        FLAG.unlink(missing_ok=True)
-
-
-def quiet(limit: float = 1.0, wait_s: float = 900) -> float:
-    """The shared machine's protocol: wait for no other timed window, claim one, wait for load < `limit`."""
-    deadline = time.monotonic() + wait_s
-    QUIET.mkdir(exist_ok=True)
-    while any(p != FLAG for p in QUIET.iterdir()) and time.monotonic() < deadline:
-        time.sleep(10)
-    FLAG.touch()
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(10)
-    return os.getloadavg()[0]
+    load = wait_for_quiet(wait_s=args.wait_s)
+    with tempfile.TemporaryDirectory(prefix="netgain-fsdp-lab-") as folder:
+        out = Path(folder) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+               *worker_flags(args)]
+        with Lab(NODES * PER_NODE, None) as lab:
+            join_nodes(lab, args.rate)
+            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        if any(codes):
+            raise RuntimeError(f"lab workers failed with exit codes {codes}")
+        rows = json.loads(out.read_text())
+    return rows, load, os.getloadavg()[0]
 
 
 def worker_flags(args) -> list[str]:
@@ -202,7 +186,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--wait-s", type=float, default=900,
-                        help="how long to wait for other timed windows to end and the load to fall below 1")
+                        help="how long to wait for the load to fall below 1")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "fsdp_lab")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)

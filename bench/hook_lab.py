@@ -111,18 +111,11 @@ def worker(args) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-def quiet(limit: float = 1.0, wait_s: float = 900) -> float:
-    """Wait (up to wait_s) for the 1-minute load average to fall below `limit`; returns it."""
-    deadline = time.monotonic() + wait_s
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(10)
-    return os.getloadavg()[0]
-
-
 def run_cell(rate: str, workers: int, args) -> tuple[list[dict], float]:
     from lab import Lab
+    from provenance import wait_for_quiet
 
-    load = quiet()
+    load = wait_for_quiet()
     with tempfile.TemporaryDirectory(prefix="netgain-hook-lab-") as folder:
         out = Path(folder) / "rows.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
