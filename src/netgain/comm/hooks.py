@@ -221,9 +221,9 @@ class CommState:
                 record.update(ctx.seconds)
                 job["verdict"].set_result(None) if not job["verdict"].done() else None
                 job["out"] = out
+                job["done"].set_result(None)
             except Exception as error:
                 _settle(job, error)
-            job["done"].set_result(None)
 
         pending.then(finish)
 
@@ -349,11 +349,13 @@ def _raise_verdicts(jobs: list[dict]) -> None:
 
 
 def _settle(job: dict, error: Exception) -> None:
-    for key in ("verdict", "done"):
-        if not job[key].done():
-            job[key].set_exception(error) if key == "verdict" else job[key].set_result(None)
+    """A failed bucket: its result and verdict carry the error, and only then is it done (others wait on that)."""
     if not job["result"].done():
         job["result"].set_exception(error)
+    if not job["verdict"].done():
+        job["verdict"].set_exception(error)
+    if not job["done"].done():
+        job["done"].set_result(None)
 
 
 class _on_stream:
