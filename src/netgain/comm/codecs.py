@@ -29,6 +29,12 @@ from ..cost import network
 from ..cost.kernels import GPU
 
 BITS_RANGE = range(2, 9)
+
+
+def check_bits(bits: int) -> int:
+    if bits not in BITS_RANGE:
+        raise ValueError(f"bits must be in {BITS_RANGE.start}..{BITS_RANGE.stop - 1}, got bits={bits}")
+    return bits
 ENCODINGS = ("packed", "int8")
 TOPK_SAMPLES = 2048  # per parameter: the top-k threshold is estimated from this many residuals
 
@@ -156,7 +162,7 @@ class GlobalQSGD(Codec):
             raise ValueError(f"encoding={encoding!r} is not one of {ENCODINGS}")
         if encoding == "int8" and bits != 8:
             raise ValueError(f"encoding='int8' is the paper's 8-bit layout: bits must be 8, got bits={bits}; use encoding='packed'")
-        self.bits, self.encoding = bits, encoding
+        self.bits, self.encoding = check_bits(bits), encoding
 
     def params(self):
         return {"bits": self.bits, "encoding": self.encoding}
@@ -197,7 +203,7 @@ class Int8Codes(Codec):
     """Codecs whose codes travel as int8 whatever ``bits`` (2^(bits-1)-1 levels per sign): 8 bits/element."""
 
     def __init__(self, bits: int = 8):
-        self.bits, self.levels = bits, Q.levels_per_side(bits)
+        self.bits, self.levels = check_bits(bits), Q.levels_per_side(bits)
 
     def params(self):
         return {"bits": self.bits}
@@ -445,9 +451,7 @@ def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: flo
     factories = _factories()
     if name not in factories:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
-    if bits not in BITS_RANGE:
-        raise ValueError(f"bits must be in {BITS_RANGE.start}..{BITS_RANGE.stop - 1}, got bits={bits}")
-    return factories[name](bits, encoding, ratio)
+    return factories[name](check_bits(bits), encoding, ratio)
 
 
 def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,
