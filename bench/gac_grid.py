@@ -1,19 +1,22 @@
 """GAC against the naive rounding baselines across compressors, parameter ratios and held-out corpora.
 
-Gemma-3-270M (float32); calibration on the Python docs' library reference (8 x 256 tokens);
-perplexity on two corpora the calibration never sees: the King James Bible and the CPython
-standard library source (4 x 512 tokens each). Cells: ASVD and the pruner (`netgain.align.compress`)
-at parameter ratios 0.9, 0.85 and 0.75; in each, raw, round-down, round-nearest and GAC (priced by
-the analytic A100 model: deterministic and independent of this machine's load). Reported per cell:
-unit parameters against the raw budget, alignment to 8, perplexity per corpus, and GAC's
-perplexity ratio to round-down. Nothing here is timed.
+Gemma-3-270M (float32); calibration on the Python docs' library reference; perplexity on two corpora
+the calibration never sees: the King James Bible and the CPython standard library source. Cells: ASVD
+and the pruner at parameter ratios 0.9, 0.85 and 0.75 (each compressor fitted once, sized per ratio
+by `netgain.align.pipeline.size`); in each, raw, round-down, round-nearest and GAC (priced by the
+analytic A100 model: deterministic and independent of this machine's load). Variants with identical
+sizes share one evaluation (the model is the same). Reported per cell: unit parameters against the
+raw budget, alignment to 8, the compressor's predicted objective, perplexity per corpus, and GAC's
+perplexity ratio to round-down. Nothing here is timed. Finished cells are kept in --state, so an
+interrupted run resumes and `--cells asvd:0.9` re-runs one cell.
 
-    python bench/gac_grid.py     # writes bench/results/gac_grid.md and .json
+    python bench/gac_grid.py     # writes bench/results/gac_grid.md, .csv and .json
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -22,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from netgain.align import AlignConfig, ASVDConfig, PrunerConfig, compress, evaluate
+from netgain.align import AlignConfig, ASVDConfig, PrunerConfig, evaluate
 from netgain.align.defaults import packaged_gemma, python_docs
+from netgain.align.gac import objective
+from netgain.align.pipeline import size
 from netgain.cost.measured import cpu_name
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,70 +40,138 @@ RESULTS = ROOT / "bench" / "results"
 METHODS = {"asvd": ASVDConfig(), "pruner": PrunerConfig()}
 RATIOS = (0.9, 0.85, 0.75)
 VARIANTS = ("raw", "round-down", "round-nearest", "gac")
+CORPORA = ("kjv", "stdlib")
+
+
+def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int) -> dict:
+    """One (method, ratio) cell: every variant's sizes, budget, alignment, objective and perplexities."""
+    compression = size(compressor, AlignConfig(METHODS[method], param_ratio=ratio, cost="a100", tokens=tokens))
+    summary = compression.summary()
+    cell, seen = {"method": method, "ratio": ratio, "variants": {}}, {}
+    for variant in VARIANTS:
+        sizes = compression.sizes[variant]
+        key = tuple(sorted(sizes.items()))
+        if key not in seen:
+            candidate = compression.build(model, variant)
+            seen[key] = {f"ppl_{n}": evaluate.perplexity(candidate, c) for n, c in held_out.items()}
+            del candidate
+        cell["variants"][variant] = {**summary[variant], **seen[key], "objective": objective(compression.units, sizes),
+                                     "same_as_round_down": sizes == compression.sizes["round-down"], "sizes": sizes}
+    for corpus in held_out:
+        cell[f"gac_vs_round_down_{corpus}"] = cell["variants"]["gac"][f"ppl_{corpus}"] / cell["variants"]["round-down"][f"ppl_{corpus}"]
+    return cell
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "runs" / "gemma3-270m"), help="Gemma-3-270M directory (converted on first use)")
+    parser.add_argument("--calib-chunks", type=int, default=8)
+    parser.add_argument("--calib-len", type=int, default=256)
     parser.add_argument("--eval-chunks", type=int, default=4)
+    parser.add_argument("--eval-len", type=int, default=512)
+    parser.add_argument("--cells", nargs="*", help="method:ratio cells to (re)run, e.g. asvd:0.9 (default: all not yet in --state)")
+    parser.add_argument("--state", default=str(ROOT / "runs" / "gac_grid_cells.jsonl"), help="finished cells, one JSON per line")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    state = Path(args.state)
+    done = {}
+    if state.exists():
+        for line in state.read_text().splitlines():
+            cell = json.loads(line)
+            done[(cell["method"], cell["ratio"])] = cell
+    wanted = [(m, r) for m in METHODS for r in RATIOS]
+    if args.cells:
+        rerun = {(c.split(":")[0], float(c.split(":")[1])) for c in args.cells}
+        todo = [k for k in wanted if k in rerun]
+    else:
+        todo = [k for k in wanted if k not in done]
+
     model_dir = packaged_gemma(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    calib = evaluate.token_chunks(tokenizer, python_docs("calib"), 256, 8)
-    corpora = {"kjv": kjv_text(), "stdlib": stdlib_text()}
-    held_out = {name: evaluate.token_chunks(tokenizer, text, 512, args.eval_chunks) for name, text in corpora.items()}
-    dense = {name: evaluate.perplexity(model, chunks) for name, chunks in held_out.items()}
+    texts = {"kjv": kjv_text(), "stdlib": stdlib_text()}
+    held_out = {name: evaluate.token_chunks(tokenizer, texts[name], args.eval_len, args.eval_chunks) for name in CORPORA}
+    dense_file = state.with_suffix(".dense.json")
+    if dense_file.exists():
+        dense = json.loads(dense_file.read_text())
+    else:
+        dense = {name: evaluate.perplexity(model, chunks) for name, chunks in held_out.items()}
+        dense_file.parent.mkdir(parents=True, exist_ok=True)
+        dense_file.write_text(json.dumps(dense))
+    if todo:
+        calib = evaluate.token_chunks(tokenizer, python_docs("calib"), args.calib_len, args.calib_chunks)
+    for method in dict.fromkeys(m for m, _ in todo):
+        compressor = METHODS[method].build()
+        t0 = time.time()
+        compressor.fit(model, calib)
+        print(f"[grid] {method} fitted in {time.time() - t0:.0f} s", flush=True)
+        for m, ratio in todo:
+            if m != method:
+                continue
+            t0 = time.time()
+            cell = run_cell(model, compressor, method, ratio, held_out, args.eval_len)
+            cell["seconds"] = round(time.time() - t0)
+            done[(method, ratio)] = cell
+            with state.open("a") as f:
+                f.write(json.dumps(cell) + "\n")
+            print(f"[grid] {method} {ratio}: {cell['seconds']} s, GAC/round-down kjv {cell['gac_vs_round_down_kjv']:.4f} "
+                  f"stdlib {cell['gac_vs_round_down_stdlib']:.4f}", flush=True)
 
-    cells = []
-    for method, compressor in METHODS.items():
-        for ratio in RATIOS:
-            _, compression = compress(model, calib, AlignConfig(compressor, param_ratio=ratio, cost="a100", tokens=512), inplace=False)
-            summary = compression.summary()
-            cell = {"method": method, "ratio": ratio, "variants": {}}
-            for variant in VARIANTS:
-                candidate = compression.build(model, variant)
-                cell["variants"][variant] = {
-                    **summary[variant], **{f"ppl_{n}": evaluate.perplexity(candidate, c) for n, c in held_out.items()}
-                }
-                del candidate
-            for corpus in held_out:
-                cell[f"gac_vs_round_down_{corpus}"] = cell["variants"]["gac"][f"ppl_{corpus}"] / cell["variants"]["round-down"][f"ppl_{corpus}"]
-            cells.append(cell)
-            print(json.dumps(cell), flush=True)
+    cells = [done[k] for k in wanted if k in done]
+    write(cells, dense, args, time.time() - started)
+    return 0
 
-    ratios = [c[f"gac_vs_round_down_{k}"] for c in cells for k in held_out]
+
+def write(cells, dense, args, seconds: float) -> None:
+    """The markdown table, a CSV row per (cell, variant), and the JSON with every variant's sizes."""
+    ratios = [c[f"gac_vs_round_down_{k}"] for c in cells for k in CORPORA]
     no_worse = sum(r <= 1.0 for r in ratios) / len(ratios)
     lines = [
         "# GAC vs naive rounding: compressors x parameter ratios x held-out corpora (Gemma-3-270M)\n",
         f"Machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end (nothing timed). "
-        f"Commit: {git_commit()}. Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`. Took {time.time() - started:.0f} s.\n",
-        f"Calibration: 8 x 256 tokens of the Python docs' library reference. Perplexity: {args.eval_chunks} x 512 tokens of the "
-        f"King James Bible (kjv) and of the CPython standard library (stdlib); dense: kjv {dense['kjv']:.2f}, stdlib {dense['stdlib']:.2f}. "
-        "GAC priced by the analytic A100 model. Cells through netgain.align.compress.\n",
-        "| method | ratio | variant | unit params / budget | aligned %8 | ppl kjv | ppl stdlib |",
-        "|---|---|---|---|---|---|---|",
+        f"Commit: {git_commit()}. Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`; this invocation took {seconds:.0f} s, "
+        f"the cells' own seconds are in the CSV.\n",
+        f"Calibration: {args.calib_chunks} x {args.calib_len} tokens of the Python docs' library reference. Perplexity: "
+        f"{args.eval_chunks} x {args.eval_len} tokens of the King James Bible (kjv) and of the CPython standard library (stdlib); "
+        f"dense: kjv {dense['kjv']:.2f}, stdlib {dense['stdlib']:.2f}. GAC priced by the analytic A100 model at {args.eval_len} tokens. "
+        "Objective: the compressor's predicted loss at the variant's sizes relative to raw (ASVD: Fisher-predicted nats; "
+        "pruner: Taylor salience kept; higher is better). `=rd`: the same sizes as round-down.\n",
+        "| method | ratio | variant | unit params / budget | aligned %8 | objective | ppl kjv | ppl stdlib |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         for v, r in c["variants"].items():
-            lines.append(f"| {c['method']} | {c['ratio']} | {v} | {r['vs_budget']:.4f} | {100 * r['aligned_8']:.0f}% | {r['ppl_kjv']:.2f} | {r['ppl_stdlib']:.2f} |")
-    lines += ["", "| method | ratio | GAC / round-down ppl (kjv) | GAC / round-down ppl (stdlib) | GAC / budget | GAC aligned %8 |", "|---|---|---|---|---|---|"]
+            same = " =rd" if v == "gac" and r["same_as_round_down"] else ""
+            lines.append(f"| {c['method']} | {c['ratio']} | {v}{same} | {r['vs_budget']:.4f} | {100 * r['aligned_8']:.0f}% "
+                         f"| {r['objective']:.4g} | {r['ppl_kjv']:.3f} | {r['ppl_stdlib']:.3f} |")
+    lines += ["", "| method | ratio | GAC / round-down ppl (kjv) | GAC / round-down ppl (stdlib) | GAC / budget | GAC aligned %8 |",
+              "|---|---|---|---|---|---|"]
     for c in cells:
         g = c["variants"]["gac"]
         lines.append(f"| {c['method']} | {c['ratio']} | {c['gac_vs_round_down_kjv']:.4f} | {c['gac_vs_round_down_stdlib']:.4f} "
                      f"| {g['vs_budget']:.4f} | {100 * g['aligned_8']:.0f}% |")
+    within = all(c["variants"]["gac"]["vs_budget"] <= 1.0 for c in cells)
+    aligned = all(c["variants"]["gac"]["aligned_8"] == 1.0 for c in cells)
     lines.append(f"\nGAC's perplexity is no worse than round-down's in {100 * no_worse:.0f}% of the {len(ratios)} (cell, corpus) pairs; "
-                 f"worst ratio {max(ratios):.4f}.\n")
+                 f"worst ratio {max(ratios):.4f}. GAC within the raw budget in every cell: {within}; 100% aligned in every cell: {aligned}.\n")
     text = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gac_grid.md").write_text(text)
+    with (RESULTS / "gac_grid.csv").open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["method", "ratio", "variant", "unit_params", "vs_budget", "aligned_8", "objective", "ppl_kjv", "ppl_stdlib",
+                      "vs_round_down_kjv", "vs_round_down_stdlib", "cell_seconds"])
+        for c in cells:
+            rd = c["variants"]["round-down"]
+            for v, r in c["variants"].items():
+                out.writerow([c["method"], c["ratio"], v, r["unit_params"], f"{r['vs_budget']:.6f}", r["aligned_8"], f"{r['objective']:.6g}",
+                              f"{r['ppl_kjv']:.4f}", f"{r['ppl_stdlib']:.4f}", f"{r['ppl_kjv'] / rd['ppl_kjv']:.5f}",
+                              f"{r['ppl_stdlib'] / rd['ppl_stdlib']:.5f}", c["seconds"]])
     (RESULTS / "gac_grid.json").write_text(json.dumps({"dense": dense, "cells": cells}, indent=1))
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

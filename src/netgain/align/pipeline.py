@@ -2,7 +2,8 @@
 
 compressor.fit -> propose (per-unit sizes under the parameter ratio) -> the naive rounding baselines
 and GAC's aligned re-selection under the same budget -> rebuild the model at the chosen variant's
-sizes. The returned `Compression` keeps every variant's sizes and the fitted compressor, so other
+sizes. `size` does the middle part for an already fitted compressor, so one calibration serves many
+ratios. The returned `Compression` keeps every variant's sizes and the fitted compressor, so other
 variants can be built from the same dense model without calibrating again (the CLI's comparison).
 """
 
@@ -80,6 +81,23 @@ def copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo={id(embedding): embedding})
 
 
+def size(compressor: Compressor, config: AlignConfig, dtype: str = "float32", progress: bool = False) -> Compression:
+    """Every variant's sizes from a fitted compressor at `config`'s ratio: one calibration serves many ratios."""
+    from tqdm import tqdm
+
+    units = compressor.propose(config.param_ratio)
+    cost = config.cost_model(dtype)
+    sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
+    for mode in ("nearest", "down"):
+        sizes[f"round-{mode}"] = compressor.round_sizes(units, config.multiple, mode)
+    with tqdm(total=len(units), desc=f"GAC candidates ({cost.name})", unit="unit", disable=not progress) as bar:
+        sizes["gac"] = compressor.select(units, cost, config.tokens, multiple=config.multiple, steps=config.steps,
+                                         tolerance=config.tolerance, progress=bar)
+    if hasattr(cost, "save"):  # a measured kernel table: keep what was timed for the next run
+        cost.save()
+    return Compression(config, compressor, units, sizes, cost)
+
+
 def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, inplace: bool = True,
              progress: bool = False) -> tuple[nn.Module, Compression]:
     """Compress a HF causal LM with `config`'s compressor and sizes; returns (compressed model, Compression).
@@ -96,17 +114,7 @@ def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, inpl
     compressor = config.compressor.build()
     with tqdm(desc=f"calibrate ({compressor.method})", unit="step", disable=not progress) as bar:
         compressor.fit(model, calib, progress=bar)
-    units = compressor.propose(config.param_ratio)
-    cost = config.cost_model(str(next(model.parameters()).dtype).removeprefix("torch."))
-    sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
-    for mode in ("nearest", "down"):
-        sizes[f"round-{mode}"] = compressor.round_sizes(units, config.multiple, mode)
-    with tqdm(total=len(units), desc=f"GAC candidates ({cost.name})", unit="unit", disable=not progress) as bar:
-        sizes["gac"] = compressor.select(units, cost, config.tokens, multiple=config.multiple, steps=config.steps,
-                                         tolerance=config.tolerance, progress=bar)
-    if hasattr(cost, "save"):  # a measured kernel table: keep what was timed for the next run
-        cost.save()
-    result = Compression(config, compressor, units, sizes, cost)
+    result = size(compressor, config, str(next(model.parameters()).dtype).removeprefix("torch."), progress)
     target = model if inplace else copy_model(model)
-    compressor.apply(target, sizes[config.variant])
+    compressor.apply(target, result.sizes[config.variant])
     return target, result
