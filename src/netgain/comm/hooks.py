@@ -132,20 +132,62 @@ class CommState:
             _raise_verdicts(step_jobs)
         return result
 
-    def _start(self) -> None:
+    def _start(self, side_stream: bool = True) -> None:
         """First bucket: the communicator, the thread, and one config check across ranks."""
         self._communicator = Communicator(self.process_group)
         self.chooser.attach(self._communicator)
         if not self._config_checked:
-            _check_same_config(self.config, self.process_group)
-            self._config_checked = True
+            self.check_config(self.process_group)
         # A fixed codec without a header issues one collective per bucket and waits for nothing before
         # it: DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
         self._inline = not self.chooser.checked and not self.chooser.codec.needs_header and self.config.nonfinite == "raise"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
-        if torch.cuda.is_available() and torch.cuda.is_initialized() and not self._inline:
+        if side_stream and torch.cuda.is_available() and torch.cuda.is_initialized() and not self._inline:
             self._stream = torch.cuda.Stream()
         self._started = True
+
+    def check_config(self, group: dist.ProcessGroup | None) -> None:
+        """Raise PlanMismatchError on every rank of ``group`` (None: the whole job) when their configs differ."""
+        check_same_config(self.config, group)
+        self._config_checked = True
+
+    # ---- one flat tensor at a time, for callers that own the schedule (netgain.comm.fsdp) -------
+    def reduce_flat(self, index: int, flat: torch.Tensor, layout: BucketLayout) -> None:
+        """Average ``flat`` across the process group in place through bucket ``index``'s codec; return when done.
+
+        The caller's thread and stream do the work (no hand-off: the caller reads ``flat`` next).
+        The bucket joins this step's statistics until `end_step()`. Raises NonFiniteGradientError
+        or PlanMismatchError on every rank.
+        """
+        now = time.perf_counter()
+        if not self._jobs:
+            self._first_submit = now
+        self._last_submit = now
+        if not self._started:
+            self._start(side_stream=False)
+        job = {"index": index, "buffer": flat, "layout": layout, "result": torch.futures.Future(),
+               "verdict": concurrent.futures.Future(), "done": concurrent.futures.Future(), "last": False}
+        self._jobs.append(job)
+        try:
+            self._send(job)
+            job["done"].result()
+            error = job["verdict"].exception()
+            if error is not None:
+                raise error
+        except Exception as error:
+            self._failure = f"bucket {index} failed ({type(error).__name__})"
+            _settle(job, error)
+            raise
+        if job["out"] is not flat:
+            flat.copy_(job["out"])
+        if flat.is_cuda:  # the decode ran on the collective's stream: finish it before the caller's reads
+            torch.cuda.synchronize(flat.device)
+
+    def end_step(self) -> None:
+        """Close the step of `reduce_flat` buckets: statistics, the planner's end of step (no-op without any)."""
+        if self._jobs:
+            jobs, self._jobs = self._jobs, []
+            self._end_step(jobs, time.perf_counter())
 
     # ---- the pipeline, on the communication thread ---------------------------------------------
     def _run(self, job: dict) -> None:
@@ -289,10 +331,11 @@ class CommState:
         key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
         cached = self._layouts.get(bucket.index())
         if cached is None or cached[0] != key:
-            cached = self._layouts[bucket.index()] = (key, BucketLayout.of(bucket, self._name, self.config.skip_1d))
+            cached = self._layouts[bucket.index()] = (key, BucketLayout.of(bucket, self.name_of, self.config.skip_1d))
         return cached[1]
 
-    def _name(self, parameter) -> str:
+    def name_of(self, parameter) -> str:
+        """The parameter's name from ``param_names``; unnamed ones: param<k> in order of first appearance."""
         with self._lock:
             return self._names.setdefault(id(parameter), f"param{len(self._names)}")
 
@@ -401,8 +444,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "Comm
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     state = CommState(comm, process_group=group, param_names=names)
     if dist.get_world_size(group) > 1:
-        _check_same_config(comm, group)
-        state._config_checked = True
+        state.check_config(group)
     ddp_model.register_comm_hook(state, hook)
     ddp_model.module.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
     return state
@@ -418,7 +460,8 @@ def _default_group_timeout():
         return None
 
 
-def _check_same_config(config: CommConfig, group) -> None:
+def check_same_config(config: CommConfig, group: dist.ProcessGroup | None) -> None:
+    """Raise PlanMismatchError on every rank of ``group`` when the ranks' configs differ (collective)."""
     mine = config.describe()
     configs = [None] * dist.get_world_size(group)
     dist.all_gather_object(configs, mine, group=group)
