@@ -1,9 +1,17 @@
 """The GAC paper's published A100 latencies and the Llama-3-8B shapes behind them: the analytic model's calibration set.
 
 ../shared/papers/gac.md, Table "The authors' results": Llama-3-8B, 15% of the decoder-Linear parameters
-removed, FP16, batch 1, prefill of 1024 tokens on an A100 (the authors' scripts call
-`model(input_ids)`, so the LM head runs for every token). The authors' per-layer sizes are not
-published, so each row's shapes are rebuilt from what the paper and its scripts specify:
+removed, FP16, batch 1, prefill on an A100 (the authors' scripts call `model(input_ids)`, so the LM
+head runs for every token). The paper says S=1024 for every row, but its scripts (sands-lab/GAC)
+time the rows at different lengths (`PAPER_SEQ_LEN`): the dense and LLM-Pruner rows come from
+scripts/llmpruner_gac_experiment.py at S=1024 (CUDA events; its 1024 bars are the table's numbers
+in Latex/figures/fig_prefill_scaling), while every ASVD latency script (asvd_gac_experiment.py's
+benchmark_latency, asvd_simple.py, asvd_alignment_experiment.py) defaults to seq_len=512 and the
+slurm jobs never override it (run_asvd_simple.sbatch passes --seq_len 512). The same figure's
+S=512 bars (`FIGURE_A100_MS_S512`, read off the chart to about 1 ms) give the pruner script's
+rows at the ASVD rows' length, as a check outside the fit.
+The authors' per-layer sizes are not published, so each row's shapes are rebuilt from what the
+paper and its scripts specify:
 
 - ASVD factorises all 224 decoder Linears at ranks floor(floor(m n p) / (m + n)) for a per-layer
   grid ratio p; here every projection type cycles through p = 0.7, 0.8, 0.9, 1.0 over the layers
@@ -25,7 +33,8 @@ import torch
 from torch import nn
 
 PAPER_A100_MS = {"dense": 99.6, "asvd": 100.5, "asvd+gac": 67.1, "llm-pruner": 137.7, "llm-pruner+gac": 88.0}
-SEQ_LEN = 1024
+PAPER_SEQ_LEN = {"dense": 1024, "asvd": 512, "asvd+gac": 512, "llm-pruner": 1024, "llm-pruner+gac": 1024}
+FIGURE_A100_MS_S512 = {"dense": 53.5, "llm-pruner": 72.2, "llm-pruner+gac": 48.2}  # bars, and their +35% / -10% labels
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256,
