@@ -101,6 +101,19 @@ def test_round_down_is_a_candidate_even_on_a_cliff():
     assert 24 not in gac.drop_cliffs(unit, [8, 16, 24, 32], CliffCost(), 4)
 
 
+class SmallBelowDownIsSlow:
+    """Fake cost: rank 16 is 2% slower than rank 24 (within a 3% noise tolerance), everything else is work."""
+
+    def gemm(self, m, k, n):
+        return m * k * n * (1.0 if 16 not in (k, n) else 24 / 16 * 1.02)
+
+
+def test_a_size_below_round_down_that_is_not_faster_is_never_a_candidate():
+    unit = LowRankUnit("u", 29, 64, 1.0, 64, 160)  # round-down 24
+    kept = gac.drop_cliffs(unit, [8, 16, 24, 32], SmallBelowDownIsSlow(), 4, tolerance=0.03, keep=24)
+    assert 16 not in kept and {8, 24, 32} <= set(kept)  # 16: fewer parameters than 24 and no faster, noise or not
+
+
 def test_ties_and_a_coarse_knapsack_fall_back_to_round_down():
     flat = [LowRankUnit(f"u{i}", 29 + i, 64, 0.0, 64, 160) for i in range(6)]  # every size worth the same
     down = gac.round_sizes(flat, 8, "down")
@@ -169,9 +182,9 @@ def test_a_measured_cost_times_every_candidate_first_and_its_noise_hides_small_c
         def gemm(self, m, k, n):
             return 3.0 if (k, n) == (64, 160) else 1.05 if 24 in (k, n) else 1.0  # dense is slowest
 
-    unit = LowRankUnit("u", 35, 64, 1.0, 64, 160)  # candidates 16..40 (48 saves nothing), round-down 32
+    unit = LowRankUnit("u", 21, 64, 1.0, 64, 160)  # candidates 8..40, round-down 16: the cliff 24 lies above it
     quiet, noisy = Noisy(0.0), Noisy(0.1)
     gac.select([unit], quiet, 4, steps=2)
-    assert {(4, 64, s) for s in (16, 24, 32, 40, 35, 160)} <= quiet.measured  # candidates, proposal, dense
+    assert {(4, 64, s) for s in (8, 16, 24, 32, 40, 21, 160)} <= quiet.measured  # candidates, proposal, dense
     assert 24 not in gac.unit_options(unit, quiet, 4, multiple=8, steps=2)
     assert 24 in gac.unit_options(unit, noisy, 4, multiple=8, steps=2)

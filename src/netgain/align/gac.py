@@ -57,16 +57,20 @@ def unit_options(unit: Unit, cost, tokens: int, multiple: int, steps: int, toler
 def drop_cliffs(unit: Unit, sizes: Sequence[int], cost, tokens: int, tolerance: float = 0.0, keep: int | None = None) -> list[int]:
     """Keep the Pareto front of parameters vs latency: drop a size when a larger one is faster.
 
-    `tolerance` (a fraction) ignores speed-ups smaller than measurement noise. The smallest size and
-    `keep` are always kept, so the knapsack stays as feasible as before.
+    `tolerance` (a fraction) ignores speed-ups smaller than measurement noise. `keep` (round-down's
+    size) is always kept, and a size below it that is not faster is always dropped, noise or not: the
+    objective and the cost model would both rank it below round-down. The smallest size is kept
+    otherwise, so the knapsack stays as feasible as before.
     """
     latency = {s: unit_latency(unit, s, cost, tokens) for s in sizes}
     smallest = min(sizes, key=unit.params)
+    below = lambda s: keep is not None and unit.params(s) < unit.params(keep) and latency[s] >= latency[keep]
     return [
         s
         for s in sizes
-        if s in (smallest, keep)
-        or not any(unit.params(t) > unit.params(s) and latency[t] * (1 + tolerance) < latency[s] for t in sizes)
+        if s == keep
+        or not below(s) and (s == smallest
+                             or not any(unit.params(t) > unit.params(s) and latency[t] * (1 + tolerance) < latency[s] for t in sizes))
     ]
 
 
