@@ -1,20 +1,24 @@
-"""Validate netgain's network model against `netgain train` on the throttled-network lab.
+"""Validate netgain's network model on the throttled-network lab: communication time and step time.
 
-Why: a model that recommends codecs is only worth its measured error. For every world size the
-compute-bound limit is measured first (no rate limit, no compression: median per-step time minus
-the hook's wait for the network); then each (rate, codec) row trains a few steps on the lab and
-its median step time is compared with netgain.cost.network.predict for the same model buckets,
-world size, link (the lab preset: tbf rate x TCP payload share, 100 us per message) and codec
-(encode/decode timed on this machine).
+Why: a model that recommends codecs is only worth its measured error, and a step-time error can
+hide a communication error when compute dominates the step. Every (workers, rate, codec) row:
+- communication: the row's per-step collectives (for each DDP bucket of the job's model: the
+  header allreduce MAX of P + 3 floats if the codec has one, then the payload collective with the
+  dtype and size the codec's own encode produces) timed alone on the lab
+  (bench/lab_collectives.py), against netgain.cost.network.predict's comm_s for the same buckets;
+- step: `netgain train` for a few steps, its median step time against predict from (a) the
+  compute-bound limit (no rate limit, no compression) and (b) the row's own compute; and the
+  hook's own comm_s in training beside both.
 
-    python bench/model_validation.py                         # default grid, about 10 minutes
-    python bench/model_validation.py --workers 2 --rates 100mbit --codecs none gqsgd:8:int8
-Writes bench/results/model_validation.{md,csv} (root needed for the lab).
+    python bench/model_validation.py --workers 2 --rows /tmp/mv.jsonl   # one quiet window
+    python bench/model_validation.py --report /tmp/mv.jsonl             # md + csv of all rows
+Writes bench/results/model_validation.{md,csv}. Root needed for the lab.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -24,15 +28,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import lab_collectives  # noqa: E402
 from lab import list_lab_namespaces, terminate_on_signals  # noqa: E402
+from provenance import git_commit, write_csv  # noqa: E402
 from runs import SKIP_STEPS, measured, threads_per_worker, train_on_lab  # noqa: E402
 
 from netgain.comm.codecs import codec_profile, make_codec  # noqa: E402
 from netgain.cost import network as net  # noqa: E402
-from provenance import git_commit, write_csv  # noqa: E402
 
-PRESET_OF_RATE = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}
-DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "qsgd:8", "gqsgd-exp:8")
+DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "gqsgd:4", "topk:0.01")
 
 
 def parse_codec(spec: str) -> tuple[str, dict]:
@@ -46,12 +50,13 @@ def parse_codec(spec: str) -> tuple[str, dict]:
             params["ratio"] = float(value)
         else:
             params["bits"] = int(value)
-    make_codec(name, **params)  # validates
+    if make_codec(name, **params).collective == "ring":
+        raise ValueError(f"{spec}: ring codecs (point-to-point hops) are not replayed by lab_collectives")
     return name, params
 
 
-def model_buckets(train_args: list[str]) -> list[int]:
-    """The DDP buckets of the job's model (the default `netgain train` lm model unless overridden)."""
+def model_buckets(train_args: list[str]) -> list[list[int]]:
+    """Parameter sizes of each DDP bucket of the job's model, buckets in ready order."""
     from netgain import models
 
     opts = argparse.ArgumentParser(add_help=False)
@@ -59,124 +64,183 @@ def model_buckets(train_args: list[str]) -> list[int]:
     opts.add_argument("--layers", type=int, default=4)
     opts.add_argument("--seq-len", type=int, default=128)
     known, _ = opts.parse_known_args(train_args)
-    model = models.byte_llama(known.hidden_size, known.layers, known.seq_len)
-    return net.ddp_buckets([p.numel() for p in model.parameters()])
+    sizes = [p.numel() for p in models.byte_llama(known.hidden_size, known.layers, known.seq_len).parameters()]
+    ready = sizes[::-1]
+    out, at = [], 0
+    for _, count in net.ddp_bucket_layout(sizes):
+        out.append(ready[at:at + count])
+        at += count
+    return out
 
 
-def compare(n: int, rate: str, profile: net.CodecProfile, buckets: list[int], limit: dict,
-            m: dict) -> dict:
-    """One validation row: the measurement beside predictions from the limit and own compute."""
-    link = net.preset(PRESET_OF_RATE[rate])
-    p = net.predict(buckets, n, link, profile, limit["compute_s"])
-    own = net.predict(buckets, n, link, profile, m["compute_s"])
-    row = {"workers": n, "rate": rate, "codec": profile.name,
-           "limit_compute_s": limit["compute_s"], "row_compute_s": m["compute_s"],
+def step_ops(codec, buckets: list[list[int]], n: int) -> list[dict]:
+    """The collectives the hook issues in one step: per bucket, its header then its payload."""
+    import torch
+
+    from netgain.comm import fused
+    from netgain.comm.codecs import Context
+    from netgain.comm.feedback import EF21
+
+    ops = []
+    for sizes in buckets:
+        numel = sum(sizes)
+        segments = fused.Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(len(sizes))], "cpu")
+        ctx = Context(n, segments, fused.step_keys(segments.keys, 0, 0, 0), fused.step_keys(segments.keys, 0, 0, -1),
+                      feedback=EF21(numel, torch.device("cpu")) if codec.uses_feedback else None)
+        x = torch.randn(numel)
+        if codec.needs_header:
+            ops.append({"op": "allreduce_max", "dtype": "float32", "numel": len(sizes) + 3})
+        if codec.needs_scales:
+            ctx.scales = codec.local_scales(x, ctx)
+        payload = codec.encode(x, ctx)
+        ops.append({"op": "allgather" if codec.collective == "allgather" else "allreduce",
+                    "dtype": str(payload.dtype).removeprefix("torch."), "numel": payload.numel()})
+    return ops
+
+
+def row(n: int, rate: str, profile: net.CodecProfile, buckets: list[list[int]], limit: dict, m: dict,
+        replay_s: float) -> dict:
+    """One validation row: measured beside predicted communication and step time."""
+    link = net.preset(net.lab_preset_name(rate))
+    numels, tensors = [sum(b) for b in buckets], [len(b) for b in buckets]
+    alone = net.predict(numels, n, link, profile, 0.0, tensors=tensors)
+    p = net.predict(numels, n, link, profile, limit["compute_s"], tensors=tensors)
+    own = net.predict(numels, n, link, profile, m["compute_s"], tensors=tensors)
+    out = {"workers": n, "rate": rate, "codec": profile.name,
+           "measured_comm_s": replay_s, "predicted_comm_s": alone.comm_s,
+           "comm_error": (alone.comm_s - replay_s) / replay_s,
+           "hook_comm_s": m["comm_s"], "predicted_comm_in_step_s": own.comm_s,
            "measured_step_s": m["step_s"], "predicted_step_s": p.step_s,
-           "error": (p.step_s - m["step_s"]) / m["step_s"],
+           "step_error": (p.step_s - m["step_s"]) / m["step_s"],
            "predicted_step_own_compute_s": own.step_s,
-           "error_own_compute": (own.step_s - m["step_s"]) / m["step_s"],
-           "measured_comm_s": m["comm_s"], "predicted_comm_s": p.comm_s,
-           "predicted_codec_s": p.encode_s + p.decode_s,
-           "measured_wire_bytes": m["wire_bytes"], "predicted_wire_bytes": p.payload_bytes}
-    print(f"  {rate} {profile.name}: measured {m['step_s']:.3f} s, predicted {p.step_s:.3f} s "
-          f"({row['error']:+.1%}), from its own compute {own.step_s:.3f} s "
-          f"({row['error_own_compute']:+.1%})", flush=True)
-    return row
+           "step_error_own_compute": (own.step_s - m["step_s"]) / m["step_s"],
+           "limit_compute_s": limit["compute_s"], "row_compute_s": m["compute_s"],
+           "predicted_codec_s": own.encode_s + own.decode_s,
+           "measured_wire_bytes": m["wire_bytes"], "predicted_wire_bytes": own.payload_bytes}
+    print(f"  n={n} {rate} {profile.name}: comm alone {replay_s * 1e3:.2f} ms, predicted "
+          f"{alone.comm_s * 1e3:.2f} ms ({out['comm_error']:+.1%}); step {m['step_s']:.3f} s, predicted "
+          f"{own.step_s:.3f} s ({out['step_error_own_compute']:+.1%}); hook comm {m['comm_s'] * 1e3:.1f} ms",
+          flush=True)
+    return out
+
+
+def run_window(args, train_args: list[str]) -> list[dict]:
+    codecs = [(spec, *parse_codec(spec)) for spec in args.codecs]
+    buckets = model_buckets(train_args)
+    rows = []
+    for n in args.workers:
+        limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
+        print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, compute {limit['compute_s']:.3f} s", flush=True)
+        made = [make_codec(name, **params) for _, name, params in codecs]
+        items = [step_ops(codec, buckets, n) for codec in made]
+        profiles = [codec_profile(codec, n, "calibrate", calibration_numel=max(map(sum, buckets)),
+                                  threads=threads_per_worker(n)) for codec in made]
+        for rate in args.rates:
+            replays = lab_collectives.run(n, rate, items, repeats=args.repeats)
+            for (spec, name, params), profile, seconds in zip(codecs, profiles, replays):
+                m = measured(train_on_lab(n, rate, name, params, args.steps, train_args))
+                rows.append(row(n, rate, profile, buckets, limit, m, sum(seconds)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
-    parser.add_argument("--rates", nargs="+", default=list(PRESET_OF_RATE), choices=list(PRESET_OF_RATE))
+    parser.add_argument("--rates", nargs="+", default=list(net.LAB_RATES), choices=list(net.LAB_RATES))
     parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
                         help="name[:bits][:int8|packed][:ratio], e.g. gqsgd:8:int8, topk:0.01")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--limit-every", choices=("codec", "world"), default="codec",
-                        help="measure the compute-bound limit again before every codec (default; "
-                        "follows load changes on a shared machine) or once per world size")
+    parser.add_argument("--repeats", type=int, default=41, help="repeats of each step's collectives alone")
+    parser.add_argument("--rows", default=str(HERE / "results" / "model_validation.jsonl"),
+                        help="append this window's rows (with its load and command) here")
+    parser.add_argument("--report", nargs="+", metavar="ROWS", help="write the report from stored rows")
     parser.add_argument("--out", default=str(HERE / "results" / "model_validation"))
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- extra `netgain train` options (model size, batch size)")
     args = parser.parse_args(argv)
+    if args.report:
+        write_report([json.loads(line) for path in args.report for line in Path(path).read_text().splitlines()],
+                     Path(args.out))
+        return 0
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    codecs = [parse_codec(spec) for spec in args.codecs]
-    buckets = model_buckets(train_args)
-
-    rows = []
-    load_before = os.getloadavg()[1]
+    load_before = os.getloadavg()
     try:
         with terminate_on_signals():
-            for n in args.workers:
-                limit = None
-                for name, params in codecs:
-                    if limit is None or args.limit_every == "codec":
-                        limit = measured(train_on_lab(n, None, "none", {}, args.steps, train_args))
-                        print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, "
-                              f"compute {limit['compute_s']:.3f} s", flush=True)
-                    profile = codec_profile(make_codec(name, **params), n, "calibrate",
-                                                calibration_numel=max(buckets),
-                                                threads=threads_per_worker(n))
-                    for rate in args.rates:
-                        m = measured(train_on_lab(n, rate, name, params, args.steps, train_args))
-                        rows.append(compare(n, rate, profile, buckets, limit, m))
+            rows = run_window(args, train_args)
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}); lab torn down", file=sys.stderr)
         return 130
-    load = (load_before, os.getloadavg()[1])
-    write_results(rows, args, train_args, len(buckets), sum(buckets), load)
+    command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
+                        "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
+                        "--repeats", str(args.repeats), *(["--", *train_args] if train_args else [])])
+    window = {"commit": git_commit(), "command": command, "load_1min_before": load_before[0],
+              "load_1min_after": os.getloadavg()[0], "steps": args.steps, "repeats": args.repeats,
+              "params": sum(map(sum, model_buckets(train_args))), "buckets": len(model_buckets(train_args))}
+    with open(args.rows, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, **window}) + "\n")
     return 0
 
 
-def write_results(rows: list[dict], args, train_args: list[str], n_buckets: int, params: int,
-                  load: tuple[float, float]) -> None:
-    out = Path(args.out)
+def _worst(rows: list[dict], key: str, k: int = 3) -> str:
+    return "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} {r[key]:+.1%}"
+                     for r in sorted(rows, key=lambda r: -abs(r[key]))[:k])
+
+
+def write_report(rows: list[dict], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out.with_suffix(".csv"), rows)
-    errors = sorted(rows, key=lambda r: -abs(r["error"]))
-    median = statistics.median(abs(r["error"]) for r in rows)
-    commit = git_commit()
-    command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
-                        "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
-                        "--limit-every", args.limit_every,
-                        *(["--", *train_args] if train_args else [])])
+    windows = list({(r["command"], r["commit"], r["load_1min_before"], r["load_1min_after"]): None for r in rows})
+    median = {key: statistics.median(abs(r[key]) for r in rows)
+              for key in ("comm_error", "step_error", "step_error_own_compute")}
+    at_1g = [r for r in rows if r["rate"] == "1gbit"]
     lines = [
-        "# Network model vs `netgain train` on the throttled-network lab",
+        "# Network model vs the throttled-network lab: communication and step time", "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by all lab workers, no GPU. "
+        f"Job: default `netgain train` lm model ({rows[0]['params']:,} parameters, {rows[0]['buckets']} DDP "
+        f"buckets), {rows[0]['steps']} steps per training run, medians over steps {SKIP_STEPS}.."
+        f"{rows[0]['steps'] - 1}.",
+        "Windows (each on a quiet machine, 1-minute load average before / after):",
+        *(f"- `{command}` at commit {commit}: load {before:.2f} / {after:.2f}"
+          for command, commit, before, after in windows),
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared by all workers (and by other "
-        f"jobs: 5-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end), "
-        f"no GPU; commit {commit}.",
-        f"Command: `{command}`",
-        f"Job: default `netgain train` lm model ({params:,} parameters, {n_buckets} DDP buckets), "
-        f"{args.steps} steps, medians over steps {SKIP_STEPS}..{args.steps - 1}.",
-        "Prediction: netgain.cost.network.predict with the lab presets and codec encode/decode "
-        f"timed on this machine, from (a) the compute-bound limit measured once per "
-        f"{args.limit_every if args.limit_every == 'codec' else 'world size'} (no rate limit, no "
-        "compression: step minus the hook's network wait), independent of the row; (b) the row's own compute (its step minus its network wait), which isolates "
-        "the network part of the model from load changes on the shared machine.",
+        "**Measured communication** is the row's per-step collectives timed alone on the same lab "
+        "(bench/lab_collectives.py): for each DDP bucket, in ready order, the hook's header "
+        "(allreduce MAX of P + 3 float32, P = parameters in the bucket; codecs with a header only) "
+        "then the payload collective with the dtype and element count that the codec's own encode "
+        "returns; every repeat starts after a barrier and a pause that refills the token bucket, as "
+        f"a step's compute does; median of {rows[0]['repeats']} repeats of the mean over ranks. This "
+        "is what the model's comm_s predicts: time on the wire with nothing else running. "
+        "**Predicted communication**: netgain.cost.network.predict(..., compute_s=0).comm_s on the "
+        "lab preset (fitted to bench/results/lab_collectives.md, not to these rows) with the real "
+        "header size. The hook's comm_s inside training (header + payload, launch to completion on "
+        "rank 0) is shown beside it: it also holds the wait for the slower rank and the CPU the "
+        "backward takes from gloo's threads on this 2-core machine, which no network model covers.",
+        "**Step**: predicted from (a) the compute-bound limit (no rate limit, no compression), (b) the "
+        "row's own compute (its step minus the hook's wait for the network).",
         "",
-        "| workers | rate | codec | measured step s | predicted (a) s | error (a) | predicted (b) s "
-        "| error (b) | compute (a) / (b) s | measured comm s | predicted comm s | predicted codec s "
-        "| wire bytes measured / predicted |",
+        "| workers | rate | codec | measured comm ms | predicted comm ms | comm error | hook comm in training ms "
+        "| measured step s | predicted (a) s | error (a) | predicted (b) s | error (b) | wire bytes measured / predicted |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['workers']} | {r['rate']} | {r['codec']} | {r['measured_step_s']:.3f} | "
-            f"{r['predicted_step_s']:.3f} | {r['error']:+.1%} | "
-            f"{r['predicted_step_own_compute_s']:.3f} | {r['error_own_compute']:+.1%} | "
-            f"{r['limit_compute_s']:.3f} / {r['row_compute_s']:.3f} | {r['measured_comm_s']:.3f} | "
-            f"{r['predicted_comm_s']:.3f} | {r['predicted_codec_s']:.3f} | "
+            f"| {r['workers']} | {r['rate']} | {r['codec']} | {r['measured_comm_s'] * 1e3:.2f} | "
+            f"{r['predicted_comm_s'] * 1e3:.2f} | {r['comm_error']:+.1%} | {r['hook_comm_s'] * 1e3:.1f} | "
+            f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {r['step_error']:+.1%} | "
+            f"{r['predicted_step_own_compute_s']:.3f} | {r['step_error_own_compute']:+.1%} | "
             f"{r['measured_wire_bytes']:,.0f} / {r['predicted_wire_bytes']:,.0f} |")
-    median_own = statistics.median(abs(r["error_own_compute"]) for r in rows)
-    worst_own = sorted(rows, key=lambda r: -abs(r["error_own_compute"]))
-    lines += ["", f"Median |predicted - measured| / measured over {len(rows)} rows: "
-                  f"**{median:.1%}** from the compute-bound limit (a), **{median_own:.1%}** from "
-                  "each row's own compute (b).",
-              "Worst rows (b): " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
-                                             f"{r['error_own_compute']:+.1%}" for r in worst_own[:3]) + ".",
-              "Worst rows (a): " + "; ".join(f"{r['workers']} workers {r['rate']} {r['codec']} "
-                                         f"{r['error']:+.1%}" for r in errors[:3]) + ".",
-              f"Lab namespaces left (`ip netns list`): {len(list_lab_namespaces())}.", ""]
+    lines += [
+        "",
+        f"Median |predicted - measured| / measured over {len(rows)} rows: communication "
+        f"**{median['comm_error']:.1%}** (at 1 Gbit/s alone: "
+        f"{statistics.median(abs(r['comm_error']) for r in at_1g):.1%} over {len(at_1g)} rows); "
+        f"step {median['step_error']:.1%} from the limit (a), {median['step_error_own_compute']:.1%} "
+        "from each row's own compute (b).",
+        f"Worst rows, communication: {_worst(rows, 'comm_error')}.",
+        f"Worst rows, step (b): {_worst(rows, 'step_error_own_compute')}.",
+        f"Worst rows, step (a): {_worst(rows, 'step_error')}.",
+        f"Lab namespaces left (`ip netns list`): {len(list_lab_namespaces())}.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -74,7 +74,8 @@ def test_presets_follow_their_documented_arithmetic():
     assert net.preset("25gbe").bandwidth == pytest.approx(25e9 / 8 * 1448 / 1538)
     assert net.preset("nvlink-a100").bandwidth == pytest.approx(240e9)
     assert net.preset("pcie4").bandwidth == pytest.approx(0.8 * 31.5e9 / 2)
-    assert net.preset("lab-100mbit").bandwidth == pytest.approx(100e6 / 8 * 1448 / 1514)
+    # the lab's links are fitted to timed collectives: near the tbf rate's TCP payload share
+    assert net.preset("lab-100mbit").bandwidth == pytest.approx(100e6 / 8 * 1448 / 1514, rel=0.1)
     assert net.preset_device("nvlink-h100") == "h100" and net.preset_device("lab-1gbit") == "cpu"
 
 
@@ -243,3 +244,94 @@ def test_speedups_are_relative_to_no_compression():
     for r in rows:
         assert r.speedup == pytest.approx(base.prediction.step_s / r.prediction.step_s)
         assert math.isfinite(r.prediction.step_s)
+
+
+def test_the_header_is_three_flags_and_one_float_per_parameter():
+    codec = net.CodecProfile("q", 8.0, header_bytes=net.HEADER_FLAG_BYTES,
+                             header_bytes_per_tensor=net.HEADER_BYTES_PER_TENSOR)
+    assert codec.header_size(10) == 4 * (10 + 3)
+    assert net.UNCOMPRESSED.header_size(10) == 0
+    assert net.payload_bytes(100, codec, tensors=10) == 100 + 52
+    # the old one-number profile still means "a 16-byte header"
+    assert net.CodecProfile("old", 8.0, header_bytes=net.HEADER_BYTES).header_size(10) == 16
+
+
+def test_per_collective_overhead_makes_the_header_latency_bound():
+    link = net.Link("1g", 1e9 / 8, 50e-6, overhead=400e-6)
+    codec = net.CodecProfile("q", 8.0, header_bytes=12, header_bytes_per_tensor=4)
+    header, payload = net.bucket_collectives(1000, 2, link, codec, tensors=5)
+    assert header[0] == pytest.approx(400e-6 + 2 * 50e-6 + 32 / link.bandwidth)
+    assert payload[0] == pytest.approx(400e-6 + 2 * 50e-6 + 1000 / link.bandwidth)
+    assert net.collective_s(1000, 2, link, codec, tensors=5) == pytest.approx(header[0] + payload[0])
+    assert net.collective_s(1000, 2, link, net.UNCOMPRESSED) == pytest.approx(500e-6 + 4000 / link.bandwidth)
+
+
+def test_a_gloo_link_runs_its_ring_whatever_the_size():
+    nccl = net.Link("x", 1e9, 30e-6)
+    gloo = net.Link("x", 1e9, 30e-6, algorithm="ring")
+    assert net.allreduce_algorithm(16, 64, nccl) == "tree"
+    assert net.allreduce_s(16, 64, gloo) == pytest.approx(net.ring_allreduce_s(16, 64, gloo))
+    assert net.allreduce_s(16, 64, gloo, "tree") == pytest.approx(net.tree_allreduce_s(16, 64, gloo))
+    assert net.sent_bytes(16, 64, "allreduce", nccl) == 2 * 6 * 16
+    with pytest.raises(ValueError, match="algorithm"):
+        net.Link("x", 1e9, 0.0, algorithm="tree")
+
+
+def test_the_shaper_passes_its_burst_then_paces():
+    link = net.Link("tbf", 1000.0, 0.0, burst=500.0, algorithm="ring")
+    # n=2: a rank sends S; 500 bytes go at once, the rest at 1000 B/s
+    assert net.ring_allreduce_s(800, 2, link, tokens=500) == pytest.approx(0.3)
+    assert net.ring_allreduce_s(400, 2, link, tokens=500) == 0.0
+    assert net.refill(500, 800, 0.3, link) == pytest.approx(0.0)
+    assert net.refill(0, 0, 10.0, link) == 500
+    # two 400-byte buckets back to back: the first rides the burst, the second gets 100 bytes of it
+    p = net.predict([100, 100], 2, link, compute_s=0.0)
+    assert p.comm_s == pytest.approx(0.0 + 0.3)
+    # with compute in between the shaper refills: bucket 2 is ready 1 s after bucket 1
+    assert net.predict([100, 100], 2, link, compute_s=3.0).comm_s == pytest.approx(0.0)
+
+
+def _samples(link: net.Link, rate: str) -> list[dict]:
+    rows = []
+    for n in (2, 3):
+        for op in ("allreduce", "allgather"):
+            for nbytes in (4, 256, 1024, 2**18, 2**20, 2**22):
+                for gap, tokens in ((0.05, link.burst), (0.0, 0.0)):
+                    rows.append({"rate": rate, "workers": n, "op": op, "bytes": nbytes, "gap_s": gap,
+                                 "seconds": net.lab_collective_s(op, nbytes, n, link, tokens)})
+    return rows
+
+
+def test_fit_lab_recovers_the_link_that_made_its_samples():
+    truth = net.Link("lab-1gbit", 1.2e8, 80e-6, overhead=300e-6, burst=6e5, algorithm="ring")
+    fitted = net.fit_lab(_samples(truth, "1gbit"), "1gbit")
+    assert fitted.name == "lab-1gbit" and fitted.algorithm == "ring"
+    assert fitted.overhead == pytest.approx(truth.overhead, rel=1e-6)
+    assert fitted.latency == pytest.approx(truth.latency, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert fitted.burst == pytest.approx(truth.burst, rel=1e-6)
+    with pytest.raises(ValueError, match="rate"):
+        net.fit_lab(_samples(truth, "1gbit"), "100mbit")
+
+
+def test_lab_presets_are_fitted_to_the_stored_calibration():
+    for rate in net.LAB_RATES:
+        link = net.preset(net.lab_preset_name(rate))
+        assert link.algorithm == "ring" and link.overhead > 0 and link.burst > 0
+        assert net.LAB_CALIBRATION.name in link.note
+    assert net.preset("lab-100mbit").bandwidth < net.preset("lab-1gbit").bandwidth / 5
+
+
+def test_bucket_layout_counts_parameters_and_sizes_the_headers():
+    mb = 2**20 // 4
+    sizes = [mb // 2, mb // 2, 3 * mb // 4, 3 * mb // 4, 10]
+    layout = net.ddp_bucket_layout(sizes, bucket_mb=2, first_bucket_mb=1)
+    assert layout == [(3 * mb // 4 + 10 + 3 * mb // 4, 3), (mb, 2)]
+    assert [numel for numel, _ in layout] == net.ddp_buckets(sizes, bucket_mb=2, first_bucket_mb=1)
+    link = net.Link("x", 1e6, 0.0)
+    codec = net.CodecProfile("q", 8.0, header_bytes=12, header_bytes_per_tensor=4)
+    numels, tensors = zip(*layout)
+    p = net.predict(list(numels), 2, link, codec, tensors=list(tensors))
+    assert p.payload_bytes == sum(numels) + (12 + 4 * 3) + (12 + 4 * 2)
+    with pytest.raises(ValueError, match="tensors"):
+        net.predict(list(numels), 2, link, codec, tensors=[1])

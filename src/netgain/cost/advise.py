@@ -91,10 +91,12 @@ def resolve_link(args) -> tuple[net.Link, str]:
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
-             profiles: list[tuple[net.CodecProfile, bool]], algorithm: str = "auto") -> list[Row]:
+             profiles: list[tuple[net.CodecProfile, bool]], algorithm: str = "auto",
+             tensors: list[int] | None = None) -> list[Row]:
     """Predict every candidate codec, given as (profile, unbiased) data: netgain.cost knows no codecs
-    (the CLI passes netgain.comm.codecs.candidate_profiles)."""
-    predictions = [(profile, unbiased, net.predict(buckets, world_size, link, profile, compute_s, algorithm=algorithm))
+    (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per bucket."""
+    predictions = [(profile, unbiased, net.predict(buckets, world_size, link, profile, compute_s,
+                                                   algorithm=algorithm, tensors=tensors))
                    for profile, unbiased in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
     return [Row(prof, p, baseline / p.step_s, unbiased) for prof, unbiased, p in predictions]
@@ -157,8 +159,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float,
                         help="DDP bucket_cap_mb, > 0 (default: DDP's 25, with its 1 MiB first bucket)")
     parser.add_argument("--algorithm", choices=net.ALGORITHMS, default="auto",
-                        help="native allreduce algorithm: ring, tree, or auto = the faster per "
-                        "message, as NCCL picks (default auto)")
+                        help="native allreduce algorithm: ring, tree, or auto = what the link's "
+                        "library runs: the faster per message as NCCL picks, gloo's ring on the lab "
+                        "presets (default auto)")
     parser.add_argument("--unbiased-only", action="store_true",
                         help="recommend only unbiased codecs (no top-k/random-k, no 16-bit casts)")
     parser.add_argument("--tolerance", type=float, default=0.05,
@@ -204,8 +207,10 @@ def run(args) -> int:
     # like DDP: the small first bucket only with the default cap
     bucket_mb = args.bucket_mb or DDP_BUCKET_MB
     first_mb = bucket_mb if args.bucket_mb else DDP_FIRST_BUCKET_MB
-    buckets = (net.ddp_buckets(sizes, bucket_mb, first_mb) if sizes
-               else net.even_buckets(params, bucket_mb, first_mb))
+    if sizes:
+        buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, bucket_mb, first_mb)))
+    else:
+        buckets, tensors = net.even_buckets(params, bucket_mb, first_mb), None
     if args.compute_ms is not None:
         compute_s, compute_note = args.compute_ms / 1e3, "given"
     else:
@@ -213,12 +218,15 @@ def run(args) -> int:
         compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
 
-    rows = evaluate(buckets, args.workers, link, compute_s, args.codec_profiles(args.workers, cost), args.algorithm)
+    rows = evaluate(buckets, args.workers, link, compute_s, args.codec_profiles(args.workers, cost), args.algorithm,
+                    tensors)
     chosen = recommend(rows, args.tolerance, args.unbiased_only)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
+    algorithm = link.algorithm if args.algorithm == "auto" else args.algorithm
     print(f"link: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per rank, "
-          f"{link.latency * 1e6:g} us, {args.algorithm} allreduce")
+          f"{link.latency * 1e6:.3g} us per message, {link.overhead * 1e6:.3g} us per collective"
+          f"{f', {link.burst / 1e3:.4g} kB shaper burst' if link.burst else ''}, {algorithm} allreduce")
     print(f"compute: {compute_s * 1e3:.4g} ms per step ({compute_note}); codec cost: {cost_name}"
           f"{' (' + gpu.name + ' HBM)' if cost_name == 'memory' else ''}")
     print()

@@ -7,15 +7,22 @@ decode) starts when its gradients are ready and bucket k-1's is done. Whatever c
 still running when the backward ends is exposed and lengthens the step.
 
 Units: bytes, seconds, bytes per second. `bandwidth` is the payload rate one rank can send in one
-direction (what a ring uses); `latency` (alpha) is the fixed cost of one message/step.
+direction (what a ring uses); `latency` (alpha) is the fixed cost of one message/step; `overhead`
+the fixed cost of one collective call (the library's dispatch and thread hand-offs), which makes
+small collectives, netgain's per-bucket header among them, latency-bound at 1 Gbit/s and above.
+A token-bucket shaper (the lab's `tc tbf`) lets `burst` bytes through at once after an idle
+spell; predict() follows how full the bucket is from one collective to the next.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .kernels import GPU
 
@@ -26,20 +33,38 @@ TCP_OVER_ETHERNET = 1448 / 1538
 TCP_OVER_SHAPED_VETH = 1448 / 1514
 
 
+ALGORITHMS = ("auto", "ring", "tree")  # auto: the fabric's choice (Link.algorithm)
+LINK_ALGORITHMS = ("fastest", "ring")    # fastest: ring or tree per message, as NCCL's tuner picks
+
+
 @dataclass(frozen=True)
 class Link:
-    """A data-parallel fabric as alpha-beta: per-message latency and per-rank payload bandwidth."""
+    """A data-parallel fabric as alpha-beta: per-message latency and per-rank payload bandwidth.
+
+    overhead: seconds per collective call; burst: bytes a token-bucket shaper passes at once after
+    idling (0: no shaper); algorithm: what the fabric's library runs for an allreduce asked for
+    "auto": "fastest" of ring and tree (NCCL), or always "ring" (gloo on CPU tensors: torch passes
+    gloo no algorithm and gloo::allreduce then runs its ring, allreduce.cc).
+    """
 
     name: str
     bandwidth: float
     latency: float
     note: str = ""
+    overhead: float = 0.0
+    burst: float = 0.0
+    algorithm: str = "fastest"
 
     def __post_init__(self):
         if not self.bandwidth > 0:
             raise ValueError(f"bandwidth: must be > 0 bytes/s, got {self.bandwidth!r}")
         if not self.latency >= 0:
             raise ValueError(f"latency: must be >= 0 s, got {self.latency!r}")
+        if not (self.overhead >= 0 and self.burst >= 0):
+            raise ValueError(f"overhead/burst: must be >= 0, got {self.overhead!r}/{self.burst!r}")
+        if self.algorithm not in LINK_ALGORITHMS:
+            raise ValueError(f"algorithm: a link runs one of {', '.join(LINK_ALGORITHMS)}, "
+                             f"got {self.algorithm!r}")
 
     @classmethod
     def from_rate(cls, name: str, bits_per_s: float, latency: float,
@@ -73,14 +98,90 @@ PRESETS = {
                              note="25 GbE, TCP at MTU 1500 (94% payload); 30 us"), "a100"),
     "100gbe": (Link.from_rate("100gbe", 100e9, 30e-6,
                               note="100 GbE, TCP at MTU 1500 (94% payload); 30 us"), "a100"),
-    # The throttled-network lab (bench/lab.py) on a CPU machine: tbf meters L2 frames on a veth;
-    # 100 us per message is half a 4-byte gloo all_reduce between two lab workers (85-113 us
-    # measured, bench/results/lab_allreduce.md).
-    "lab-100mbit": (Link.from_rate("lab-100mbit", 100e6, 100e-6, TCP_OVER_SHAPED_VETH,
-                                   "bench/lab.py at 100 Mbit/s (tbf on veth)"), "cpu"),
-    "lab-1gbit": (Link.from_rate("lab-1gbit", 1e9, 100e-6, TCP_OVER_SHAPED_VETH,
-                                 "bench/lab.py at 1 Gbit/s (tbf on veth)"), "cpu"),
 }
+
+
+
+# The throttled-network lab (bench/lab.py) on this CPU machine: gloo over veths shaped by tbf.
+# Its links are fitted to gloo collectives timed alone on the lab (bench/lab_collectives.py writes
+# the samples next to this file); see fit_lab.
+LAB_CALIBRATION = Path(__file__).with_name("lab_collectives.json")
+LAB_RATES = ("100mbit", "1gbit")
+SMALL_BYTES = 1024  # a collective of at most this many bytes per rank is all latency
+
+
+def lab_preset_name(rate: str) -> str:
+    return f"lab-{rate}"
+
+
+def _messages_and_sent(op: str, nbytes: float, n: int) -> tuple[float, float]:
+    """Latency steps and bytes sent per rank of a gloo ring allreduce / allgather."""
+    if op == "allgather":
+        return n - 1, (n - 1) * nbytes
+    return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+
+
+def _slope(groups: Mapping[object, Sequence[tuple[float, float]]]) -> float:
+    """Least-squares slope of y on x with an intercept of its own for each group."""
+    num = den = 0.0
+    for points in groups.values():
+        mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+        num += sum((x - mx) * (y - my) for x, y in points)
+        den += sum((x - mx) ** 2 for x, _ in points)
+    if den <= 0:
+        raise ValueError("fit_lab: needs two sizes (or world sizes) to fit a slope")
+    return num / den
+
+
+def fit_lab(samples: Sequence[Mapping], rate: str) -> Link:
+    """A gloo Link fitted to timed collectives at one lab rate.
+
+    samples: dicts of rate, op (allreduce, allreduce_max, allgather), workers, bytes (per rank),
+    gap_s (the pause before it: > 0 means the shaper was full, 0 drained) and seconds.
+    - overhead, latency: t = overhead + ring steps x latency, least squares over the small ones
+      after a pause (n = 2 and 3 tell the two apart);
+    - bandwidth: the slope of t against the bytes a rank sends, over the large ones with the
+      shaper drained (one intercept per op and world size: fixed costs cancel);
+    - burst: what the shaper passed at once: of the bytes the largest ones after a pause sent,
+      those that their time beyond overhead and latency does not account for at that bandwidth
+      (median). (Against the drained ones instead, it would miss what the shaper refilled during
+      their barriers.)
+    """
+    rows = [r for r in samples if r["rate"] == rate]
+    if not rows:
+        raise ValueError(f"fit_lab: no samples at rate {rate!r}")
+    small = {0: [(_messages_and_sent(r["op"], r["bytes"], r["workers"])[0], r["seconds"])
+                 for r in rows if r["bytes"] <= SMALL_BYTES and r["gap_s"]]}
+    latency = max(0.0, _slope(small))
+    overhead = max(0.0, statistics.fmean(t for _, t in small[0]) - latency * statistics.fmean(m for m, _ in small[0]))
+    drained: dict = {}
+    for r in rows:
+        if not r["gap_s"] and r["bytes"] > SMALL_BYTES:
+            drained.setdefault((r["op"], r["workers"]), []).append(
+                (_messages_and_sent(r["op"], r["bytes"], r["workers"])[1], r["seconds"]))
+    bandwidth = 1 / _slope(drained)
+    largest = max(r["bytes"] for r in rows if r["gap_s"])
+    burst = statistics.median(max(0.0, sent - (r["seconds"] - overhead - m * latency) * bandwidth)
+                              for r in rows if r["gap_s"] and r["bytes"] == largest
+                              for m, sent in [_messages_and_sent(r["op"], r["bytes"], r["workers"])])
+    note = (f"bench/lab.py at {rate} (tbf on veth, gloo), fitted to {len(rows)} timed collectives "
+            f"({LAB_CALIBRATION.name})")
+    return Link(lab_preset_name(rate), bandwidth, latency, note, overhead, burst, "ring")
+
+
+def lab_collective_s(op: str, nbytes: float, n: int, link: Link, tokens: float = 0.0) -> float:
+    """The model's time of one calibration collective (op as in fit_lab) on a lab link."""
+    if op == "allgather":
+        return allgather_s(nbytes, n, link, tokens)
+    return allreduce_s(nbytes, n, link, "ring", tokens)
+
+
+def _lab_presets() -> dict:
+    samples = json.loads(LAB_CALIBRATION.read_text())["samples"]
+    return {lab_preset_name(rate): (fit_lab(samples, rate), "cpu") for rate in LAB_RATES}
+
+
+PRESETS.update(_lab_presets())
 
 
 def preset(name: str) -> Link:
@@ -126,38 +227,54 @@ def check_world(n: int) -> None:
         raise ValueError(f"world_size: must be an integer >= 1, got {n!r}")
 
 
-def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
+def paced_s(messages: float, sent: float, link: Link, tokens: float = 0.0) -> float:
+    """One collective call: overhead, `messages` latencies, and the `sent` bytes of this rank that
+    the shaper's `tokens` (bytes it would pass at once) do not cover, at the link's bandwidth."""
+    return link.overhead + messages * link.latency + max(0.0, sent - tokens) / link.bandwidth
+
+
+def ring_allreduce_s(nbytes: float, n: int, link: Link, tokens: float = 0.0) -> float:
     """Ring allreduce (reduce-scatter + allgather): 2(n-1) alpha + 2(n-1)/n S/beta."""
     check_world(n)
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return paced_s(2 * (n - 1), 2 * (n - 1) / n * nbytes, link, tokens) if n > 1 else 0.0
 
 
-def tree_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float = 0.0) -> float:
+def tree_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float = 0.0,
+                     tokens: float = 0.0) -> float:
     """Binary-tree reduce then broadcast: 2 ceil(log2 n) (alpha + S/beta) + one combine per level."""
     check_world(n)
     levels = math.ceil(math.log2(n)) if n > 1 else 0
-    return 2 * levels * (link.latency + nbytes / link.bandwidth) + levels * combine_s
+    if not levels:
+        return 0.0
+    return paced_s(2 * levels, 2 * levels * nbytes, link, tokens) + levels * combine_s
 
 
-def allgather_s(nbytes_per_rank: float, n: int, link: Link) -> float:
+def allgather_s(nbytes_per_rank: float, n: int, link: Link, tokens: float = 0.0) -> float:
     """Ring allgather of S bytes from every rank: (n-1) alpha + (n-1) S/beta."""
     check_world(n)
-    return (n - 1) * (link.latency + nbytes_per_rank / link.bandwidth)
+    return paced_s(n - 1, (n - 1) * nbytes_per_rank, link, tokens) if n > 1 else 0.0
 
 
-def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float) -> float:
+def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float,
+                             tokens: float = 0.0) -> float:
     """Ring reduce-scatter with a custom combine, then allgather.
 
     `combine_s` is the time to combine two whole S-byte payloads; each of the n-1 reduce-scatter
-    hops combines one 1/n chunk, on the critical path.
+    hops combines one 1/n chunk, on the critical path. Every hop is a call of its own (n - 1
+    overheads), and so is the allgather.
     """
     check_world(n)
-    return ring_allreduce_s(nbytes, n, link) + (n - 1) * combine_s / n
+    if n == 1:
+        return 0.0
+    return ring_allreduce_s(nbytes, n, link, tokens) + (n - 1) * (link.overhead + combine_s / n)
 
 
 COLLECTIVES = ("allreduce", "allgather", "ring")
-ALGORITHMS = ("auto", "ring", "tree")  # auto: the faster per message, as NCCL's tuner picks
-HEADER_BYTES = 16  # netgain's per-bucket header allreduce MAX: (3 + parameters) floats, latency-bound; modelled as 4
+# netgain's per-bucket header (comm/hooks.py, _header): one allreduce MAX of float32
+# [max |g| of each of the bucket's P parameters, non-finite flag, signature, -signature].
+HEADER_FLAG_BYTES = 12
+HEADER_BYTES_PER_TENSOR = 4
+HEADER_BYTES = HEADER_FLAG_BYTES + HEADER_BYTES_PER_TENSOR  # a one-parameter bucket's header
 
 
 @dataclass(frozen=True)
@@ -166,9 +283,10 @@ class CodecProfile:
 
     wire_bits: payload bits per gradient element each rank contributes; collective: 'allreduce'
     (summable payload), 'allgather' (every rank decodes everyone's payload) or 'ring' (ring
-    reduce-scatter with a custom combine, then allgather); header_bytes: a small allreduce per
-    bucket before the payload (netgain's global scale); per-element seconds of encode, decode
-    and of one combine of two whole payloads (ring only).
+    reduce-scatter with a custom combine, then allgather); header_bytes + header_bytes_per_tensor
+    x (parameters in the bucket): a small allreduce per bucket before the payload (netgain's
+    global scales), 0 for none; per-element seconds of encode, decode and of one combine of two
+    whole payloads (ring only).
     """
 
     name: str
@@ -178,6 +296,7 @@ class CodecProfile:
     encode_s_per_elem: float = 0.0
     decode_s_per_elem: float = 0.0
     combine_s_per_elem: float = 0.0
+    header_bytes_per_tensor: int = 0
 
     def __post_init__(self):
         if self.collective not in COLLECTIVES:
@@ -186,67 +305,126 @@ class CodecProfile:
         if not self.wire_bits > 0:
             raise ValueError(f"wire_bits: must be > 0, got {self.wire_bits!r}")
 
+    def header_size(self, tensors: int = 1) -> int:
+        """Bytes of the header allreduce of a bucket holding `tensors` parameters (0: no header)."""
+        if not (self.header_bytes or self.header_bytes_per_tensor):
+            return 0
+        return self.header_bytes + self.header_bytes_per_tensor * tensors
+
 
 UNCOMPRESSED = CodecProfile("none", 32.0)
 
 
-def allreduce_s(nbytes: float, n: int, link: Link, algorithm: str = "auto") -> float:
-    """A native allreduce by `algorithm`; "auto" takes the faster of ring and tree."""
+def _check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    if algorithm == "ring":
-        return ring_allreduce_s(nbytes, n, link)
-    if algorithm == "tree":
-        return tree_allreduce_s(nbytes, n, link)
-    return min(ring_allreduce_s(nbytes, n, link), tree_allreduce_s(nbytes, n, link))
+
+
+def allreduce_algorithm(nbytes: float, n: int, link: Link, algorithm: str = "auto") -> str:
+    """"ring" or "tree": what runs an S-byte allreduce asked for `algorithm` on `link`."""
+    _check_algorithm(algorithm)
+    if algorithm != "auto":
+        return algorithm
+    if link.algorithm == "ring":
+        return "ring"
+    return "tree" if tree_allreduce_s(nbytes, n, link) < ring_allreduce_s(nbytes, n, link) else "ring"
+
+
+def allreduce_s(nbytes: float, n: int, link: Link, algorithm: str = "auto",
+                tokens: float = 0.0) -> float:
+    """A native allreduce by `algorithm`; "auto" runs what the link's library runs (Link.algorithm)."""
+    if allreduce_algorithm(nbytes, n, link, algorithm) == "tree":
+        return tree_allreduce_s(nbytes, n, link, tokens=tokens)
+    return ring_allreduce_s(nbytes, n, link, tokens)
+
+
+def sent_bytes(nbytes: float, n: int, collective: str, link: Link, algorithm: str = "auto") -> float:
+    """Bytes one rank puts on its link in a collective of an S-byte payload per rank."""
+    if n == 1:
+        return 0.0
+    if collective == "allgather":
+        return (n - 1) * nbytes
+    if collective == "allreduce" and allreduce_algorithm(nbytes, n, link, algorithm) == "tree":
+        return 2 * math.ceil(math.log2(n)) * nbytes
+    return 2 * (n - 1) / n * nbytes
+
+
+def bucket_collectives(numel: int, world_size: int, link: Link, codec: CodecProfile,
+                       algorithm: str = "auto", tensors: int = 1,
+                       tokens: float = 0.0) -> list[tuple[float, float]]:
+    """(seconds, bytes this rank sends) of a bucket's collectives in order: header (if any), payload.
+
+    `tokens`: what the link's shaper would pass at once when the first of them starts; each
+    collective drains what it sends and refills at the link's rate while it runs.
+    """
+    _check_algorithm(algorithm)
+    out = []
+    header = codec.header_size(tensors)
+    if header:
+        seconds = allreduce_s(header, world_size, link, algorithm, tokens)
+        sent = sent_bytes(header, world_size, "allreduce", link, algorithm)
+        out.append((seconds, sent))
+        tokens = refill(tokens, sent, seconds, link)
+    nbytes = numel * codec.wire_bits / 8
+    if codec.collective == "allgather":
+        seconds = allgather_s(nbytes, world_size, link, tokens)
+    elif codec.collective == "ring":
+        seconds = ring_combine_allreduce_s(nbytes, world_size, link, numel * codec.combine_s_per_elem, tokens)
+    else:
+        seconds = allreduce_s(nbytes, world_size, link, algorithm, tokens)
+    out.append((seconds, sent_bytes(nbytes, world_size, codec.collective, link, algorithm)))
+    return out
+
+
+def refill(tokens: float, sent: float, seconds: float, link: Link) -> float:
+    """The shaper's tokens after `seconds` during which this rank sent `sent` bytes."""
+    return min(link.burst, max(0.0, tokens - sent + seconds * link.bandwidth))
 
 
 def collective_s(numel: int, world_size: int, link: Link, codec: CodecProfile,
-                 algorithm: str = "auto") -> float:
+                 algorithm: str = "auto", tensors: int = 1, tokens: float = 0.0) -> float:
     """Time on the wire for one bucket of `numel` gradient elements under `codec` (with header).
 
     `algorithm` applies to native allreduces (header and summable payloads); allgather and the
-    custom-combine ring have one algorithm each.
+    custom-combine ring have one algorithm each. `tensors`: parameters in the bucket (the header
+    holds one float each); `tokens`: see bucket_collectives.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    header = allreduce_s(codec.header_bytes, world_size, link, algorithm) if codec.header_bytes else 0.0
-    nbytes = numel * codec.wire_bits / 8
-    if codec.collective == "allgather":
-        return header + allgather_s(nbytes, world_size, link)
-    if codec.collective == "ring":
-        combine = numel * codec.combine_s_per_elem
-        return header + ring_combine_allreduce_s(nbytes, world_size, link, combine)
-    return header + allreduce_s(nbytes, world_size, link, algorithm)
+    return sum(s for s, _ in bucket_collectives(numel, world_size, link, codec, algorithm, tensors, tokens))
 
 
-def payload_bytes(numel: int, codec: CodecProfile) -> float:
+def payload_bytes(numel: int, codec: CodecProfile, tensors: int = 1) -> float:
     """Bytes this rank hands to the collectives for one bucket (what `netgain train` records)."""
-    return numel * codec.wire_bits / 8 + codec.header_bytes
+    return numel * codec.wire_bits / 8 + codec.header_size(tensors)
 
 
-def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
-                first_bucket_mb: float = 1.0, bytes_per_elem: int = 4) -> list[int]:
-    """Group gradients into DDP-style buckets, in the order they become ready.
+def ddp_bucket_layout(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
+                      first_bucket_mb: float = 1.0, bytes_per_elem: int = 4) -> list[tuple[int, int]]:
+    """(elements, parameters) per DDP-style bucket, in the order they become ready.
 
     `tensor_numels` lists parameters in forward (registration) order; gradients become ready in
     reverse. Like DDP's rebuilt buckets (reducer.cpp, compute_bucket_assignment_by_size), a tensor
     joins the open bucket, which closes once it reaches its cap: `first_bucket_mb` for the first
-    (earliest-ready) bucket, `bucket_mb` after. Returns element counts per bucket.
+    (earliest-ready) bucket, `bucket_mb` after.
     """
     if bucket_mb <= 0 or first_bucket_mb <= 0:
         raise ValueError(f"bucket_mb/first_bucket_mb: must be > 0, got {bucket_mb}/{first_bucket_mb}")
     caps = [first_bucket_mb * 2**20, bucket_mb * 2**20]
-    buckets: list[int] = []
-    current = 0
+    buckets: list[tuple[int, int]] = []
+    current = count = 0
     for numel in reversed(tensor_numels):
-        current += numel
+        current, count = current + numel, count + 1
         if current * bytes_per_elem >= caps[min(len(buckets), 1)]:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
+            buckets.append((current, count))
+            current = count = 0
+    if count:
+        buckets.append((current, count))
     return buckets
+
+
+def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
+                first_bucket_mb: float = 1.0, bytes_per_elem: int = 4) -> list[int]:
+    """Element counts of DDP-style buckets in ready order (see ddp_bucket_layout)."""
+    return [numel for numel, _ in ddp_bucket_layout(tensor_numels, bucket_mb, first_bucket_mb, bytes_per_elem)]
 
 
 def even_buckets(params: float, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
@@ -283,15 +461,17 @@ class Prediction:
 def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
             codec: CodecProfile = UNCOMPRESSED, compute_s: float = 0.0,
             backward_fraction: float = 2 / 3, algorithm: str = "auto",
-            bucket_mb: float = 25.0) -> Prediction:
+            bucket_mb: float = 25.0, tensors: Sequence[int] | None = None) -> Prediction:
     """Predict one data-parallel step.
 
     `buckets`: element counts per bucket in ready order (see ddp_buckets), or a parameter count
-    (split with even_buckets). `compute_s`: forward + backward time of one rank without
+    (split with even_buckets). `tensors`: parameters per bucket (ddp_bucket_layout), which size
+    the header; one each if not given. `compute_s`: forward + backward time of one rank without
     communication; its last `backward_fraction` is the backward, during which buckets become
     ready in proportion to their size. As in netgain's hook, one communication worker handles the
     buckets in order: encode, header, collective, decode; bucket k starts when it is ready and
-    bucket k-1 is done. The step ends when both the backward and the last bucket are done.
+    bucket k-1 is done. The step ends when both the backward and the last bucket are done. The
+    link's shaper starts the step full (the previous step's compute refilled it).
     """
     check_world(world_size)
     if not 0 < backward_fraction <= 1:
@@ -300,20 +480,30 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
         raise ValueError(f"compute_s: must be >= 0, got {compute_s!r}")
     if isinstance(buckets, (int, float)):
         buckets = even_buckets(buckets, bucket_mb)
+    tensors = [1] * len(buckets) if tensors is None else list(tensors)
+    if len(tensors) != len(buckets):
+        raise ValueError(f"tensors: one count per bucket, got {len(tensors)} for {len(buckets)} buckets")
     if world_size == 1:
         return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets))
     total = sum(buckets)
     backward = compute_s * backward_fraction
     ready = compute_s - backward
     done = 0.0
+    tokens, idle_from = link.burst, 0.0
     comm = encode = decode = sent = 0.0
-    for numel in buckets:
+    for numel, count in zip(buckets, tensors):
         ready += backward * numel / total
         enc, dec = numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem
-        wire = collective_s(numel, world_size, link, codec, algorithm)
-        done = max(ready, done) + enc + wire + dec
+        start = max(ready, done) + enc
+        tokens = refill(tokens, 0.0, start - idle_from, link)
+        wire = 0.0
+        for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens):
+            tokens = refill(tokens, out, seconds, link)
+            wire += seconds
+        done = idle_from = start + wire
+        done += dec
         comm, encode, decode = comm + wire, encode + enc, decode + dec
-        sent += payload_bytes(numel, codec)
+        sent += payload_bytes(numel, codec, count)
     step = max(compute_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
                       step - compute_s, sent, len(buckets))
