@@ -1,7 +1,8 @@
 """GAC against the naive rounding baselines across compressors, parameter ratios and held-out corpora.
 
-Gemma-3-270M (float32); calibration on the Python docs' library reference; perplexity on two corpora
-the calibration never sees: the King James Bible and the CPython standard library source. Cells: ASVD
+Gemma-3-270M (float32); calibration on the Python docs' library reference (`--calib-domains docs gcide`
+adds the GCIDE dictionary as a second domain); perplexity on two corpora the calibration never sees:
+the King James Bible and the CPython standard library source. Cells: ASVD
 and the pruner at parameter ratios 0.9, 0.85 and 0.75 (each compressor fitted once, sized per ratio
 by `netgain.align.pipeline.size`); in each, raw, round-down, round-nearest and GAC (priced by the
 analytic A100 model: deterministic and independent of this machine's load). Variants with identical
@@ -10,7 +11,7 @@ raw budget, alignment to 8, the compressor's predicted objective, perplexity per
 perplexity ratio to round-down. Nothing here is timed. Finished cells are kept in --state, so an
 interrupted run resumes and `--cells asvd:0.9` re-runs one cell.
 
-    python bench/gac_grid.py     # writes bench/results/gac_grid.md, .csv and .json
+    python bench/gac_grid.py     # writes bench/results/gac_grid.md, .csv and .json (--name changes the stem)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from netgain.align.pipeline import size
 from netgain.cost.measured import cpu_name
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gac_models import kjv_text, stdlib_text  # noqa: E402
+from gac_models import gcide_text, kjv_text, stdlib_text  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,8 @@ METHODS = {"asvd": ASVDConfig(), "pruner": PrunerConfig()}
 RATIOS = (0.9, 0.85, 0.75)
 VARIANTS = ("raw", "round-down", "round-nearest", "gac")
 CORPORA = ("kjv", "stdlib")
+CALIBRATION = {"docs": lambda: python_docs("calib"), "gcide": gcide_text}  # neither is held out
+DOMAIN_NAMES = {"docs": "the Python docs' library reference", "gcide": "the GCIDE dictionary (Webster 1913)"}
 
 
 def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int) -> dict:
@@ -71,8 +74,12 @@ def main() -> int:
     parser.add_argument("--eval-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=512, help="the prefill length GAC's A100 cost model prices")
     parser.add_argument("--cells", nargs="*", help="method:ratio cells to (re)run, e.g. asvd:0.9 (default: all not yet in --state)")
-    parser.add_argument("--state", default=str(ROOT / "runs" / "gac_grid_cells.jsonl"), help="finished cells, one JSON per line")
+    parser.add_argument("--calib-domains", nargs="+", choices=sorted(CALIBRATION), default=["docs"],
+                        help="calibration text: the chunks are split evenly over these domains")
+    parser.add_argument("--name", default="gac_grid", help="results file stem (bench/results/NAME.md) and state file (runs/NAME_cells.jsonl)")
+    parser.add_argument("--state", help="finished cells, one JSON per line (default runs/NAME_cells.jsonl)")
     args = parser.parse_args()
+    args.state = args.state or str(ROOT / "runs" / f"{args.name}_cells.jsonl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,7 +111,9 @@ def main() -> int:
         dense_file.parent.mkdir(parents=True, exist_ok=True)
         dense_file.write_text(json.dumps(dense))
     if todo:
-        calib = evaluate.token_chunks(tokenizer, python_docs("calib"), args.calib_len, args.calib_chunks)
+        per_domain = [evaluate.token_chunks(tokenizer, CALIBRATION[d](), args.calib_len, args.calib_chunks // len(args.calib_domains))
+                      for d in args.calib_domains]
+        calib = [chunk for group in zip(*per_domain) for chunk in group]  # interleaved domains
     for method in dict.fromkeys(m for m, _ in todo):
         compressor = METHODS[method].build()
         t0 = time.time()
@@ -154,7 +163,7 @@ def write(cells, dense, args, seconds: float) -> None:
         f"Machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end (nothing timed). "
         f"Commit: {git_commit()}. Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`; this invocation took {seconds:.0f} s, "
         f"the cells' own seconds are in the CSV.\n",
-        f"Calibration: {args.calib_chunks} x {args.calib_len} tokens of the Python docs' library reference. Perplexity: "
+        f"Calibration: {args.calib_chunks} x {args.calib_len} tokens, split evenly over {' and '.join(DOMAIN_NAMES[d] for d in args.calib_domains)}. Perplexity: "
         f"{args.eval_chunks} x {args.eval_len} tokens of the King James Bible (kjv) and of the CPython standard library (stdlib); "
         f"dense: kjv {dense['kjv']:.2f}, stdlib {dense['stdlib']:.2f}. GAC priced by the analytic A100 model at {args.tokens} tokens. "
         "Objective: the compressor's predicted loss at the variant's sizes relative to raw (ASVD: Fisher-predicted nats; "
@@ -182,8 +191,8 @@ def write(cells, dense, args, seconds: float) -> None:
                  "objective ranks them as perplexity does in " + ", ".join(f"{agree[k]} of {pairs[k]} ({k})" for k in CORPORA) + ".\n")
     text = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gac_grid.md").write_text(text)
-    with (RESULTS / "gac_grid.csv").open("w", newline="") as f:
+    (RESULTS / f"{args.name}.md").write_text(text)
+    with (RESULTS / f"{args.name}.csv").open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["method", "ratio", "variant", "unit_params", "vs_budget", "aligned_8", "objective", "ppl_kjv", "ppl_stdlib",
                       "vs_round_down_kjv", "vs_round_down_stdlib", "cell_seconds"])
@@ -193,7 +202,7 @@ def write(cells, dense, args, seconds: float) -> None:
                 out.writerow([c["method"], c["ratio"], v, r["unit_params"], f"{r['vs_budget']:.6f}", r["aligned_8"], f"{r['objective']:.6g}",
                               f"{r['ppl_kjv']:.4f}", f"{r['ppl_stdlib']:.4f}", f"{r['ppl_kjv'] / rd['ppl_kjv']:.5f}",
                               f"{r['ppl_stdlib'] / rd['ppl_stdlib']:.5f}", c["seconds"]])
-    (RESULTS / "gac_grid.json").write_text(json.dumps({"dense": dense, "cells": cells}, indent=1))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"dense": dense, "cells": cells}, indent=1))
     print(text)
 
 

@@ -1,5 +1,5 @@
-"""Models and text for the GAC benchmarks: a Llama-3-8B-shaped latency model, and the held-out corpora
-(KJV Bible, CPython standard library source). Gemma-3-270M and the Python docs come from
+"""Models and text for the GAC benchmarks: a Llama-3-8B-shaped latency model, the held-out corpora
+(KJV Bible, CPython standard library source) and a second calibration domain (GCIDE, Webster 1913). Gemma-3-270M and the Python docs come from
 `netgain.align.defaults` (the CLI's embedded default).
 
     python bench/gac_models.py      # convert the packaged Gemma-3-270M once into the user cache
@@ -56,6 +56,17 @@ def stdlib_text(limit: int = 2_000_000) -> str:
         if size >= limit:
             break
     return "\n\n".join(parts)[:limit]
+
+
+def gcide_text(limit: int = 2_000_000) -> str:
+    """The first `limit` characters of the GCIDE dictionary (Webster 1913), from the Debian package dict-gcide."""
+    import gzip
+
+    path = Path("/usr/share/dictd/gcide.dict.dz")
+    if not path.exists():
+        raise SystemExit("the GCIDE corpus needs: apt-get install -y --no-install-recommends dict-gcide")
+    with gzip.open(path, "rt", errors="replace") as f:
+        return f.read(limit)
 
 
 if __name__ == "__main__":
