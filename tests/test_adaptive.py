@@ -8,8 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
 from netgain.comm.adaptive import AdaptivePlanner, option_error
-from netgain.comm.bandwidth import BandwidthMonitor
-from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK
+from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
+from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK, codec_profile
 
 from distributed import run
 from test_hook import Layers, grads
@@ -20,30 +20,79 @@ def big_layers():
     return Layers(20_000, (200, 200), 30_000)
 
 
-def test_monitor_holds_back_one_outlier_and_follows_a_real_change():
-    monitor = BandwidthMonitor(smoothing=0.5, outlier=3.0)
-    assert monitor.update(100.0, 0.001) == 100.0
-    assert monitor.update(1000.0, 0.001) == 100.0     # one odd step: held back
-    assert monitor.update(110.0, 0.001) == 105.0      # it was noise
-    monitor.update(10.0, 0.001)
-    assert monitor.update(11.0, 0.001) == pytest.approx(10.5)  # two steps agree: jump
+class Clock:
+    """A fake completion clock: every collective completes well after the previous one (no queueing)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 10.0
+        return self.now
+
+
+def monitor_step(monitor, sizes, rate, alpha=0.0005, collective="allreduce", world_size=2, noise=None):
+    """Feed one step of collectives taking alpha + wire bytes / rate each; return the local estimate."""
+    noise = noise or [1.0] * len(sizes)
+    for size, factor in zip(sizes, noise):
+        wire = WIRE_FACTOR[collective](world_size) * size
+        monitor.observe(collective, size, (alpha + wire / rate) * factor, world_size)
+    return monitor.local_estimate()
+
+
+def test_fit_takes_alpha_from_small_and_beta_from_large_collectives():
+    samples = [(100, 0.0005), (64, 0.00052), (200_000, 0.0005 + 200_000 / 12.5e6), (1_000_000, 0.0805),
+               (1_000_000, 0.5)]  # the last one stalled: a robust fit ignores it
+    alpha, slope = fit(samples)
+    assert alpha == pytest.approx(0.0005, rel=0.05) and 1 / slope == pytest.approx(12.5e6, rel=0.02)
 
 
 def test_monitor_counts_wire_bytes_by_collective():
-    monitor = BandwidthMonitor()
-    monitor.observe("allreduce", 1_000_000, 0.5, 4)   # ring: 2(n-1)/n = 1.5 x payload on the wire
-    monitor.observe("allreduce", 16, 0.002, 4)        # a header: latency only
-    bandwidth, latency = monitor.local_estimate()
-    assert bandwidth == pytest.approx(3_000_000) and latency == 0.002
+    monitor = BandwidthMonitor(clock=Clock())
+    bandwidth, latency, _ = monitor_step(monitor, [16, 1_000_000], 3e6, alpha=0.002, world_size=4)
+    assert bandwidth == pytest.approx(3e6) and latency == pytest.approx(0.002)  # ring: 1.5 x payload on the wire
 
 
 def test_monitor_slope_ignores_a_per_transfer_burst():
-    monitor = BandwidthMonitor()
+    monitor = BandwidthMonitor(clock=Clock())
     burst, rate = 256 * 1024, 12.5e6  # a token bucket lets 256 KB through at once, then 100 Mbit/s
     for size in (1_000_000, 5_000_000):
         monitor.observe("allreduce", size, 0.0001 + (size - burst) / rate, 2)
-    bandwidth, _ = monitor.local_estimate()
+    bandwidth, _, _ = monitor.local_estimate()
     assert bandwidth == pytest.approx(rate)  # bytes / time would say 13.2e6 and 16.0e6
+
+
+def test_monitor_learns_from_small_payloads_alone():
+    """Headers and heavily compressed payloads all under 4 KiB: the estimate still moves with the link."""
+    monitor = BandwidthMonitor(clock=Clock())
+    sizes = [40, 200, 1_000, 3_000]
+    first = monitor_step(monitor, sizes, 5e6)[0]
+    for _ in range(3):
+        monitor_step(monitor, sizes, 1e6)
+    assert first == pytest.approx(5e6, rel=0.01) and monitor.local_estimate()[0] == pytest.approx(1e6, rel=0.01)
+
+
+def test_monitor_follows_a_rate_change_in_two_steps_and_ignores_one_slow_step():
+    monitor = BandwidthMonitor(clock=Clock())
+    sizes = [40, 500_000, 40, 2_000_000]
+    for _ in range(5):
+        monitor_step(monitor, sizes, 125e6)
+    noisy = monitor_step(monitor, sizes, 125e6, noise=[1, 1, 1, 3])  # one stalled payload
+    after = monitor_step(monitor, sizes, 125e6)
+    first = monitor_step(monitor, sizes, 12.5e6)                    # the link drops 10x: one step held back
+    second = monitor_step(monitor, sizes, 12.5e6)                   # a second step agrees: follow it
+    assert noisy[0] == after[0] == first[0] == pytest.approx(125e6, rel=0.01)
+    assert second[0] == pytest.approx(12.5e6, rel=0.01) and second[1] == pytest.approx(0.0005, rel=0.01)
+
+
+def test_monitor_charges_a_queued_collective_only_its_own_time():
+    clock = iter([1.0, 1.2]).__next__  # the second payload waited 0.2 s behind the first, then took 0.2 s
+    monitor = BandwidthMonitor(clock=clock)
+    monitor.observe("allreduce", 1_000_000, 0.2, 2)
+    monitor.observe("allreduce", 1_000_000, 0.4, 2)
+    assert [round(s, 6) for _, s, _ in monitor._step] == [0.2, 0.2]
+    bandwidth, _, overhead = monitor.local_estimate()
+    assert overhead == pytest.approx(0.2)  # the hook reports 0.6 s; the fit predicts 0.4 s
 
 
 def test_option_errors_order_as_expected():
@@ -58,6 +107,50 @@ def test_bad_planner_arguments():
         AdaptivePlanner("kimad++")
     with pytest.raises(ValueError, match="time_budget_s must be > 0"):
         AdaptivePlanner(time_budget_s=0)
+    with pytest.raises(ValueError, match="max_error must be > 0"):
+        AdaptivePlanner(max_error=0)
+    with pytest.raises(ValueError, match="window_steps must be >= 1"):
+        BandwidthMonitor(window_steps=0)
+
+
+def planner_on_link(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6):
+    """A planner whose agreed inputs are set by hand: options none, gqsgd 8/4/2, top-k 0.01 (EF21)."""
+    planner = AdaptivePlanner(mode, time_budget_s=budget_s, bits=(8, 4, 2), topk_ratios=(0.01,), max_error=0.05)
+    planner.monitor.update(bandwidth, 0.0, 0.0)
+    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
+    for index, numel in enumerate(numels):
+        planner._numels[index] = numel
+        planner.relative[index] = list(relative)
+        planner.errors[index] = list(relative)
+    planner._solve(2)
+    return [codec.describe() for _, codec in planner.plan.values()]
+
+
+# relative error of the mean per option: none, gqsgd 8, 4, 2, top-k 0.01 (biased, the least error here)
+RELATIVE = (0.0, 0.001, 0.03, 2.0, 0.0005)
+
+
+def test_plan_prefers_unbiased_codes_that_fit_over_a_biased_one():
+    assert planner_on_link("kimad+", 1.0, RELATIVE) == ["none"]
+    assert planner_on_link("kimad+", 0.2, RELATIVE) == ["gqsgd(bits=8,encoding=packed)"]  # top-k errs less, but is biased
+
+
+def test_plan_never_picks_an_unsafe_option_when_nothing_fits():
+    """Only top-k and 2-bit fit a 10 ms budget, and both err beyond max_error: the fastest safe option instead."""
+    unsafe_topk = (0.0, 0.001, 0.03, 2.0, 0.7)
+    for mode in ("kimad", "kimad+"):
+        assert planner_on_link(mode, 0.01, unsafe_topk, numels=(100_000, 50_000)) == ["gqsgd(bits=4,encoding=packed)"] * 2
+
+
+def test_plan_takes_a_safe_biased_option_when_no_unbiased_one_fits():
+    assert planner_on_link("kimad+", 0.01, RELATIVE) == ["topk(ratio=0.01)"]
+
+
+def test_ef21_resumes_from_an_exact_step_after_another_code():
+    planner = AdaptivePlanner("kimad+")
+    planner.plan = {0: (100, TopK(0.1))}
+    planner._sent = {0: GlobalQSGD(8)}
+    assert [planner.codec_for(0, 100).describe() for _ in range(3)] == ["none", "topk(ratio=0.1)", "topk(ratio=0.1)"]
 
 
 def adaptive_run(rank, world_size, mode, force_mismatch=False):
@@ -70,7 +163,7 @@ def adaptive_run(rank, world_size, mode, force_mismatch=False):
         model.zero_grad()
         time.sleep(0.01 * rank)  # ranks reach the collectives at different times
         model(step, rank).backward()
-        plans.append((state.last_step.get("plan"), state.last_step.get("bandwidth_Bps")))
+        plans.append((state.last_step.get("plan"), state.last_step.get("bandwidth_Bps"), state.last_step.get("plan_error")))
     return plans, grads(model)
 
 
@@ -82,6 +175,7 @@ def test_plan_identical_on_every_rank(mode):
     assert plans0 == plans1
     assert torch.equal(grads0, grads1)
     assert plans0[-1][0] and plans0[-1][1] > 0  # a plan was made from a measured bandwidth
+    assert all(error <= 0.05 for _, _, error in plans0 if error is not None)  # within max_error, every step
 
 
 def test_forced_mismatch_raises_on_every_rank():

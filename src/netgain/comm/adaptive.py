@@ -1,17 +1,27 @@
 """Kimad: bandwidth-aware adaptive compression (../shared/papers/kimad.md).
 
-Each step the ranks agree on the link's bandwidth (BandwidthMonitor); the communication budget
-is bandwidth x a time target (given, or the measured backward time so communication hides under
-compute). Every `replan_every` steps, or when the bandwidth moves by more than
+Each step the ranks agree on the link (BandwidthMonitor: an alpha-beta fit of every collective
+the hook ran, and the seconds per step its reported times carry beyond the fit); the communication
+budget is a time target (given, or the measured backward time so communication hides under
+compute). Every `replan_every` steps, or when the link estimate moves by more than
 `replan_threshold`, the plan is re-solved:
-  kimad  - one option for every bucket, the least total error that fits the budget;
+  kimad  - one option for every bucket;
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket.
 Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ratio. An option's
-time comes from the alpha-beta model (netgain.cost.network) with the agreed bandwidth and this
-machine's calibrated codec cost; its error is measured on the current gradient (expected
-stochastic-rounding error for gqsgd, the dropped energy for top-k), summed over ranks. Every
-input to the solver is agreed by collectives, so every rank computes the same plan; the hook's
-header checks it bucket by bucket anyway.
+time is its header and payload collectives on the monitor's fit plus this machine's calibrated
+codec cost; the plan fits them into the budget less the monitor's overhead. Its error is measured
+on the current gradient (expected stochastic-rounding error for gqsgd, the dropped energy for
+top-k), summed over ranks.
+
+No collapse: an option is admissible for a bucket only if the error it adds to the averaged
+gradient is at most `max_error` of the gradient's energy (an unbiased code's independent rounding
+averages down over n ranks, a biased one's does not). Among admissible options the plan prefers
+the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budget, then any
+admissible one that fits, the least total error first; when nothing admissible fits, each bucket
+takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive.
+A bucket enters an EF21 option from a non-EF21 code through one uncompressed step, so EF21
+resumes from an exact state instead of a stale one. Every input to the solver is agreed by
+collectives, so every rank computes the same plan; the hook's header checks it bucket by bucket.
 """
 
 from __future__ import annotations
@@ -36,27 +46,32 @@ class AdaptivePlanner:
 
     def __init__(self, mode: str = "kimad+", *, time_budget_s: float | None = None, replan_every: int = 10,
                  replan_threshold: float = 0.2, bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8),
-                 topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1), monitor: BandwidthMonitor | None = None):
+                 topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1), max_error: float = 0.05,
+                 monitor: BandwidthMonitor | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 (or None for the measured backward time), got {time_budget_s}")
         if replan_every < 1:
             raise ValueError(f"replan_every must be >= 1, got {replan_every}")
+        if not 0 < max_error < float("inf"):
+            raise ValueError(f"max_error must be > 0 and finite, got {max_error}")
         self.mode, self.time_budget_s = mode, time_budget_s
-        self.replan_every, self.replan_threshold = replan_every, replan_threshold
+        self.replan_every, self.replan_threshold, self.max_error = replan_every, replan_threshold, max_error
         self.options: list[Codec] = ([NoCompression()] + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)])
         self.uses_feedback = any(option.uses_feedback for option in self.options)
         self.monitor = monitor or BandwidthMonitor()
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
-        self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error per option
+        self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error of the mean per option
+        self.relative: dict[int, list[float]] = {}        # bucket index -> those errors / the gradient's energy
         self._local_errors: dict[int, list[float]] = {}
         self._numels: dict[int, int] = {}                 # bucket index -> numel, this step's layout
+        self._sent: dict[int, Codec] = {}                 # bucket index -> the codec it used last
         self._profiles: dict[int, list[network.CodecProfile]] = {}
         self._predicted: float | None = None
         self._backward_s: float | None = None
-        self._planned_bandwidth: float | None = None
+        self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._stale = True
         self.last: dict = {}
 
@@ -66,22 +81,28 @@ class AdaptivePlanner:
         planned = self.plan.get(index)
         if planned is None or planned[0] != numel:
             self._stale = True  # a new bucket layout (DDP rebuilds after step 1): measure and re-plan
-            return self.options[0]
-        return planned[1]
+            codec = self.options[0]
+        else:
+            codec, previous = planned[1], self._sent.get(index)
+            if codec.uses_feedback and previous is not None and not previous.uses_feedback \
+                    and not isinstance(previous, NoCompression):
+                codec = self.options[0]  # EF21 restarts exact after an uncompressed step, not from a stale state
+        self._sent[index] = codec
+        return codec
 
     def describe(self) -> str:
         return self.mode
 
     def attach(self, communicator) -> None:
-        """Every payload collective of the hook becomes a bandwidth sample."""
+        """Every collective of the hook becomes a sample of the link."""
         communicator.observer = self.monitor.observe
 
     def wants_errors(self, step: int) -> bool:
         return self._stale or (step + 1) % self.replan_every == 0
 
     def observe(self, index: int, x: torch.Tensor) -> None:
-        """Measure every option's compression error on this rank's bucket."""
-        self._local_errors[index] = [option_error(option, x) for option in self.options]
+        """Measure the bucket's energy and every option's compression error on this rank's bucket."""
+        self._local_errors[index] = [float(x.square().sum())] + [option_error(option, x) for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
     def end_step(self, link, step: int, backward_s: float) -> dict:
@@ -92,60 +113,72 @@ class AdaptivePlanner:
             link.observer = observer
 
     def _end_step(self, link, step: int, backward_s: float) -> dict:
-        local_bandwidth, local_latency = self.monitor.local_estimate()
-        # MAX of bandwidth and backward time, MIN of latency (as -MAX of -latency): the least-waiting rank's view
-        agreed = link.allreduce(torch.tensor([local_bandwidth, backward_s, -local_latency], dtype=torch.float64),
+        bandwidth, latency, overhead = self.monitor.local_estimate()
+        # MAX of bandwidth, backward time and overhead seconds, MIN of latency (as -MAX of -latency)
+        agreed = link.allreduce(torch.tensor([bandwidth, backward_s, -latency, overhead], dtype=torch.float64),
                                 torch.distributed.ReduceOp.MAX).tolist()
-        bandwidth = self.monitor.update(agreed[0], -agreed[2])
+        bandwidth = self.monitor.update(agreed[0], -agreed[2], agreed[3])
         self._backward_s = agreed[1] if self._backward_s is None else 0.7 * self._backward_s + 0.3 * agreed[1]
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
-            order = sorted(self._local_errors)
-            summed = link.allreduce(torch.tensor([e for i in order for e in self._local_errors[i]], dtype=torch.float64))
-            width = len(self.options)
-            self.errors.update({i: summed[k * width:(k + 1) * width].tolist() for k, i in enumerate(order)})
-            self._local_errors = {}
-        moved = (self._planned_bandwidth is not None and bandwidth is not None
-                 and abs(bandwidth - self._planned_bandwidth) > self.replan_threshold * self._planned_bandwidth)
-        replanned = bandwidth is not None and bool(self.errors) and (measured or moved)
+            self._agree_errors(link)
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self._link_moved())
         if replanned:
             self._agree_profiles(link)
-            self._solve(bandwidth, link.world_size)
-        self.last = {"bandwidth_Bps": bandwidth, "budget_s": self.budget_s(), "replanned": replanned,
+            self._solve(link.world_size)
+        self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
+                     "budget_s": self.budget_s(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
+                     "plan_error": max((self.relative[i][self.options.index(codec)]
+                                        for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
                      "predicted_comm_s": self._predicted}
         return self.last
 
+    def _agree_errors(self, link) -> None:
+        """Sum energies and errors over ranks; keep each option's error of the averaged gradient."""
+        n, order = link.world_size, sorted(self._local_errors)
+        summed = link.allreduce(torch.tensor([e for i in order for e in self._local_errors[i]], dtype=torch.float64))
+        width = len(self.options) + 1
+        for k, index in enumerate(order):
+            energy, *errors = summed[k * width:(k + 1) * width].tolist()
+            # mean of n independent roundings: error sum / n^2; a biased code's errors add up: sum / n
+            mean_error = [e / (n * n if option.unbiased else n) for option, e in zip(self.options, errors)]
+            self.errors[index] = mean_error
+            self.relative[index] = [e / (energy / n) if energy > 0 else 0.0 for e in mean_error]
+        self._local_errors = {}
+
+    def _link_moved(self) -> bool:
+        if self._planned_link is None:
+            return False
+        bandwidth, overhead_s = self._planned_link
+        return (abs(self.monitor.bandwidth - bandwidth) > self.replan_threshold * bandwidth
+                or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s())
+
     def state_dict(self) -> dict:
         """What every rank agreed on (identical everywhere): the link estimate and the compute time."""
-        return {"bandwidth": self.monitor.bandwidth, "latency": self.monitor.latency, "backward_s": self._backward_s}
+        return {"bandwidth": self.monitor.bandwidth, "latency": self.monitor.latency,
+                "overhead_s": self.monitor.overhead_s, "backward_s": self._backward_s}
 
     def load_state_dict(self, state: dict) -> None:
-        self.monitor.bandwidth, self.monitor.latency = state["bandwidth"], state["latency"]
+        self.monitor.update(state["bandwidth"] or 0.0, state["latency"], state["overhead_s"])
         self._backward_s = state["backward_s"]
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
 
-    def _solve(self, bandwidth: float, world_size: int) -> None:
-        fabric = network.Link("measured", bandwidth, self.monitor.latency / max(1, 2 * (world_size - 1)))
+    def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
-        times = [[self._option_s(option_index, numel, world_size, fabric)
-                  for option_index in range(len(self.options))]
-                 for numel in (self._numels[i] for i in indices)]
+        times = [[self._option_s(o, self._numels[i], world_size) for o in range(len(self.options))] for i in indices]
         errors = [self.errors[i] for i in indices]
-        budget = self.budget_s()
-        if self.mode == "kimad":
-            choice = _uniform_choice(times, errors, budget)
-        else:
-            groups = [[knapsack.Option(t, -e) for t, e in zip(ts, es)] for ts, es in zip(times, errors)]
-            try:
-                choice = knapsack.solve(groups, budget).choice
-            except ValueError:  # even the fastest options overrun the budget: send the least
-                choice = [min(range(len(ts)), key=ts.__getitem__) for ts in times]
+        safe = [[o == 0 or r <= self.max_error for o, r in enumerate(self.relative[i])] for i in indices]
+        unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
+        fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
+        budget = self.budget_s() - self.monitor.overhead_s
+        choice = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget) \
+            or _fastest(times, safe, uniform=self.mode == "kimad")
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
-        self._predicted = sum(ts[c] for ts, c in zip(times, choice))
-        self._planned_bandwidth = bandwidth
+        self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
+        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
         self._stale = False
 
     def _agree_profiles(self, link) -> None:
@@ -159,20 +192,44 @@ class AdaptivePlanner:
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)
                              for p, (e, d) in zip(local, costs)]
 
-    def _option_s(self, option_index: int, numel: int, world_size: int, fabric: network.Link) -> float:
+    def _option_s(self, option_index: int, numel: int, world_size: int) -> float:
+        """The bucket's header and payload collectives on the monitor's fit, plus codec work."""
         profile = self._profiles[world_size][option_index]
-        compute = numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
-        return network.collective_s(numel, world_size, fabric, profile) + compute
+        wire = (self.monitor.predict_s("allreduce", network.HEADER_BYTES, world_size)
+                + self.monitor.predict_s(profile.collective, numel * profile.wire_bits / 8, world_size))
+        return wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
 
 
-def _uniform_choice(times, errors, budget) -> list[int]:
-    """Kimad: the same option for every bucket; least total error that fits, else the fastest."""
+def _fit_knapsack(times, errors, allowed, budget) -> list[int] | None:
+    """Kimad+: least total error over the allowed options that fits the budget; None if nothing fits."""
+    keep = [[o for o, ok in enumerate(row) if ok] for row in allowed]
+    if any(not row for row in keep):
+        return None
+    groups = [[knapsack.Option(times[b][o], -errors[b][o]) for o in row] for b, row in enumerate(keep)]
+    try:
+        choice = knapsack.solve(groups, budget).choice
+    except ValueError:  # even the fastest allowed options overrun the budget
+        return None
+    return [row[c] for row, c in zip(keep, choice)]
+
+
+def _fit_uniform(times, errors, allowed, budget) -> list[int] | None:
+    """Kimad: one option allowed for every bucket, the least total error that fits; None if none fits."""
     width = len(times[0])
-    total_t = [sum(ts[o] for ts in times) for o in range(width)]
-    total_e = [sum(es[o] for es in errors) for o in range(width)]
-    fitting = [o for o in range(width) if total_t[o] <= budget]
-    best = min(fitting, key=total_e.__getitem__) if fitting else min(range(width), key=total_t.__getitem__)
+    fitting = [o for o in range(width) if all(row[o] for row in allowed) and sum(ts[o] for ts in times) <= budget]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda o: sum(es[o] for es in errors))
     return [best] * len(times)
+
+
+def _fastest(times, allowed, uniform: bool) -> list[int]:
+    """Nothing safe fits: the fastest safe option (per bucket, or one for all), the closest to fitting."""
+    if uniform:
+        width = len(times[0])
+        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe
+        return [min(common, key=lambda o: sum(ts[o] for ts in times))] * len(times)
+    return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
 
 
 def option_error(option: Codec, x: torch.Tensor) -> float:

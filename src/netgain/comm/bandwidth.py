@@ -1,82 +1,139 @@
-"""Bandwidth monitor: every collective of the hook, timed from launch to completion, becomes one
-estimate of the link that all ranks agree on.
+"""Bandwidth monitor: every collective the hook times, small ones included, is a sample of the
+link; a robust fit of time = alpha + wire bytes / beta over the last few steps says what the
+next collective will cost.
 
-A collective's time includes waiting for the slowest rank to arrive, which only ever makes a
-rank's estimate too low; the rank that arrived last measured the pure transfer. So ranks agree
-on the MAX of their estimates (one small allreduce per step, on the communication thread).
+Small collectives (headers, heavily compressed payloads) pin the latency alpha, larger ones the
+slope 1/beta, so the estimate stays live whatever the plan sends (a minimum payload size froze it
+for 70 steps when every payload was tiny). The fit is Theil-Sen: the median of the slopes between
+pairs of samples, weighted by how far apart their sizes are, so a stray slow collective moves
+nothing and a per-transfer constant (latency, a token bucket's burst) drops out of the slope. A
+step whose times are more than `change` times off the fit is held back; if the next step is off the
+same way, the link changed and the window restarts from those two steps (one stalled step alone
+moves nothing).
+
+A sample is a collective's service time: from its launch, or from the completion of the one
+before it if that came later (a payload queued behind the previous bucket's is not charged for
+that wait). Time spent waiting for the slowest rank only ever makes a rank's fit too slow, so
+ranks agree on the MAX bandwidth and the MIN latency (the planner's one small allreduce per step).
+`overhead_s` is what a step's collectives cost beyond the fit, which no plan can compress away:
+the 0.9-quantile over recent steps of the step's summed collective times as the hook reports them
+(waiting for the slowest rank and queueing included) less the fit's prediction of the same
+collectives.
 """
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 # bytes a rank puts on the wire per payload byte, by aggregation pattern (ring algorithms)
 WIRE_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "ring": lambda n: 2 * (n - 1) / n,
                "allgather": lambda n: n - 1}
+OVERHEAD_QUANTILE = 0.9
 
 
 class BandwidthMonitor:
-    """EWMA of bytes/s on the wire per rank, from the payload collectives of each step.
+    """Alpha-beta fit of the hook's collectives over a window of recent steps, agreed across ranks.
 
-    smoothing: weight of the newest step. A step whose estimate is more than `outlier` times off
-    the current one is held back once; if the next step agrees with it, the link really changed.
-    Collectives under `min_bytes` (headers) measure the latency alpha; larger ones the bandwidth.
-    With payloads of clearly different sizes in a step, the bandwidth is the slope of a least-squares
-    fit time = a + bytes / bandwidth: a constant per transfer (latency, or a token bucket's burst that
-    lets the first bytes of every transfer through at line rate) drops out of the slope. Otherwise it
-    is bytes / (time - alpha), so heavily compressed payloads still keep the estimate live.
+    window_steps: steps of samples the fit uses; change: a step this many times slower or faster
+    than the fit restarts the window (the link changed); spread: two samples give a slope only if
+    their sizes differ by this factor; overhead_steps: steps the overhead quantile looks back;
+    clock: when a collective completed (seconds).
     """
 
-    def __init__(self, smoothing: float = 0.5, outlier: float = 3.0, min_bytes: int = 4 * 1024):
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        self.smoothing, self.outlier, self.min_bytes = smoothing, outlier, min_bytes
-        self.bandwidth: float | None = None  # agreed bytes/s
-        self.latency: float = 0.0            # agreed seconds per small collective
-        self._payloads: list[tuple[float, float]] = []  # (wire bytes, seconds) this step
-        self._small: list[float] = []
-        self._held: float | None = None
+    def __init__(self, window_steps: int = 8, change: float = 1.5, spread: float = 1.5,
+                 overhead_steps: int = 20, max_samples: int = 256, clock=time.perf_counter):
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        if change <= 1:
+            raise ValueError(f"change must be > 1, got {change}")
+        self.window_steps, self.change, self.spread = window_steps, change, spread
+        self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
+        self.bandwidth: float | None = None  # agreed bytes/s on the wire per rank
+        self.latency: float = 0.0            # agreed seconds per collective
+        self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
+        self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
+        self._window: list[list[tuple[float, float, float]]] = []
+        self._extra: list[float] = []
+        self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of this rank
+        self._held: tuple[int, list] | None = None          # (direction, samples) of a step off the fit
+        self._busy_until = 0.0
 
     def observe(self, collective: str, payload_bytes: int, seconds: float, world_size: int) -> None:
-        if payload_bytes < self.min_bytes:
-            self._small.append(seconds)
-        else:
-            self._payloads.append((WIRE_FACTOR[collective](world_size) * payload_bytes, seconds))
+        """One timed collective (called at its completion, as Communicator's observer)."""
+        done = self.clock()
+        service = min(seconds, done - self._busy_until)
+        self._busy_until = max(self._busy_until, done)
+        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0), seconds))
 
-    def local_estimate(self) -> tuple[float, float]:
-        """This rank's (bandwidth, latency) for the step just ended; resets the step's samples."""
-        latency = sorted(self._small)[len(self._small) // 2] if self._small else 0.0
-        bandwidth = _slope_bandwidth(self._payloads) or _ratio_bandwidth(self._payloads, self.latency)
-        self._payloads, self._small = [], []
-        return bandwidth, latency
+    def local_estimate(self) -> tuple[float, float, float]:
+        """This rank's (bandwidth, latency, overhead_s) after the step just ended; starts the next step.
 
-    def update(self, bandwidth: float, latency: float) -> float | None:
-        """Fold in the agreed estimate of one step (identical on every rank); returns the estimate."""
-        if bandwidth <= 0:
-            return self.bandwidth
-        self.latency = latency
-        if self.bandwidth is None:
-            self.bandwidth = bandwidth
-        elif max(bandwidth / self.bandwidth, self.bandwidth / bandwidth) > self.outlier and self._held is None:
-            self._held = bandwidth  # one odd step: wait for a second opinion
-        else:
-            if self._held is not None and max(bandwidth / self._held, self._held / bandwidth) <= self.outlier:
-                self.bandwidth = self._held  # two steps agree: the link changed, jump to it
-            self._held = None
-            self.bandwidth += self.smoothing * (bandwidth - self.bandwidth)
+        bandwidth is 0 when nothing was sampled yet (the agreed MAX then comes from other ranks)."""
+        step, self._step = self._step, []
+        if step:
+            moved = 0 if self._local_fit is None else self._moved(step, *self._local_fit)
+            if moved and self._held is not None and self._held[0] == moved:
+                self._window, self._held = [self._held[1]], None  # two steps agree: the link changed
+            elif moved:
+                self._held, step = (moved, step), []                # one odd step: wait for a second opinion
+            else:
+                self._held = None
+        if step:
+            self._window = (self._window + [step])[-self.window_steps:]
+            self._local_fit = fit([s for samples in self._window for s in samples][-self.max_samples:], self.spread)
+            predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _, _ in step)
+            self._extra = (self._extra + [sum(r for _, _, r in step) - predicted])[-self.overhead_steps:]
+        if self._local_fit is None:
+            return 0.0, 0.0, 0.0
+        alpha, slope = self._local_fit
+        extra = sorted(self._extra) or [0.0]
+        return 1.0 / slope, alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))])
+
+    def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0) -> float | None:
+        """Take the agreed estimate of one step (identical on every rank); returns the bandwidth."""
+        if bandwidth > 0:
+            self.bandwidth, self.latency, self.overhead_s = bandwidth, latency, overhead_s
         return self.bandwidth
 
+    def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
+        """Seconds one collective of `payload_bytes` takes on the agreed fit (overhead not included)."""
+        if self.bandwidth is None:
+            raise ValueError("predict_s needs a bandwidth estimate: no collective was observed yet")
+        return self.latency + WIRE_FACTOR[collective](world_size) * payload_bytes / self.bandwidth
 
-def _slope_bandwidth(samples: list[tuple[float, float]], spread: float = 1.5) -> float | None:
-    """1 / slope of time on bytes, when the sizes differ enough for a slope to mean something."""
-    sizes = [x for x, _ in samples]
-    if len(samples) < 2 or max(sizes) < spread * min(sizes):
-        return None
-    mean_x = sum(sizes) / len(sizes)
-    mean_t = sum(t for _, t in samples) / len(samples)
-    covariance = sum((x - mean_x) * (t - mean_t) for x, t in samples)
-    variance = sum((x - mean_x) ** 2 for x in sizes)
-    return variance / covariance if covariance > 0 else None
+    def _moved(self, step, alpha: float, slope: float) -> int:
+        """+1 if the step ran `change` x slower than the fit, -1 if that much faster, else 0."""
+        predicted = sum(alpha + x * slope for x, _, _ in step)
+        measured = sum(s for _, s, _ in step)
+        if predicted <= 0:
+            return 0
+        return 1 if measured > self.change * predicted else -1 if measured * self.change < predicted else 0
 
 
-def _ratio_bandwidth(samples: list[tuple[float, float]], latency: float) -> float:
-    seconds = sum(max(t - latency, t / 2) for _, t in samples)
-    return sum(x for x, _ in samples) / seconds if seconds > 0 else 0.0
+def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, float]:
+    """(alpha, 1 / beta) of time = alpha + bytes / beta, robustly, from (bytes, seconds, ...) samples.
+
+    The slope is the median of pairwise slopes weighted by the pair's size difference, over pairs
+    whose sizes differ by `spread` x. Where no slope can be measured (one size, or bytes cost no
+    time above the noise), 1 / beta falls back to the fastest rate any sample achieved, a lower
+    bound on the link's bandwidth, and alpha to the median time less that rate's share.
+    """
+    x = torch.tensor([s[0] for s in samples], dtype=torch.float64)
+    t = torch.tensor([s[1] for s in samples], dtype=torch.float64)
+    i, j = torch.triu_indices(len(samples), len(samples), offset=1)
+    dx, dt = x[j] - x[i], t[j] - t[i]
+    apart = torch.maximum(x[i], x[j]) >= spread * torch.minimum(x[i], x[j]).clamp(min=1.0)
+    slope = _weighted_median(dt[apart] / dx[apart], dx[apart].abs()) if bool(apart.any()) else None
+    if slope is None or slope <= 0:
+        rates = x / t.clamp(min=1e-9)
+        slope = 1.0 / float(rates.max()) if float(rates.max()) > 0 else 1e-12
+    alpha = float((t - slope * x).median().clamp(min=0.0))
+    return alpha, slope
+
+
+def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
+    order = values.argsort()
+    cumulative = weights[order].cumsum(0)
+    return float(values[order][int(torch.searchsorted(cumulative, cumulative[-1] / 2))])
