@@ -309,7 +309,10 @@ def test_fit_lab_recovers_the_link_that_made_its_samples():
     assert fitted.overhead == pytest.approx(truth.overhead, rel=1e-6)
     assert fitted.latency == pytest.approx(truth.latency, rel=1e-6)
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
-    assert fitted.burst == pytest.approx(truth.burst, rel=1e-6)
+    # the burst is what a large collective's whole time leaves unexplained: short of the truth by
+    # at most its fixed costs at the paced rate (they overlap the transfer on the real lab)
+    fixed = truth.overhead + 2 * (3 - 1) * truth.latency
+    assert truth.burst - fixed * truth.bandwidth <= fitted.burst < truth.burst
     with pytest.raises(ValueError, match="rate"):
         net.fit_lab(_samples(truth, "1gbit"), "100mbit")
 

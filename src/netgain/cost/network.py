@@ -142,10 +142,10 @@ def fit_lab(samples: Sequence[Mapping], rate: str) -> Link:
       after a pause (n = 2 and 3 tell the two apart);
     - bandwidth: the slope of t against the bytes a rank sends, over the large ones with the
       shaper drained (one intercept per op and world size: fixed costs cancel);
-    - burst: what the shaper passed at once: of the bytes the largest ones after a pause sent,
-      those that their time beyond overhead and latency does not account for at that bandwidth
-      (median). (Against the drained ones instead, it would miss what the shaper refilled during
-      their barriers.)
+    - burst: what the shaper passed at once: the bytes the largest ones after a pause sent beyond
+      what their whole time accounts for at that bandwidth (median; a large collective's fixed
+      costs overlap its paced transfer). Against the drained ones instead, it would miss what the
+      shaper refilled during their barriers.
     """
     rows = [r for r in samples if r["rate"] == rate]
     if not rows:
@@ -161,9 +161,9 @@ def fit_lab(samples: Sequence[Mapping], rate: str) -> Link:
                 (_messages_and_sent(r["op"], r["bytes"], r["workers"])[1], r["seconds"]))
     bandwidth = 1 / _slope(drained)
     largest = max(r["bytes"] for r in rows if r["gap_s"])
-    burst = statistics.median(max(0.0, sent - (r["seconds"] - overhead - m * latency) * bandwidth)
-                              for r in rows if r["gap_s"] and r["bytes"] == largest
-                              for m, sent in [_messages_and_sent(r["op"], r["bytes"], r["workers"])])
+    burst = statistics.median(max(0.0, _messages_and_sent(r["op"], r["bytes"], r["workers"])[1]
+                                  - r["seconds"] * bandwidth)
+                              for r in rows if r["gap_s"] and r["bytes"] == largest)
     note = (f"bench/lab.py at {rate} (tbf on veth, gloo), fitted to {len(rows)} timed collectives "
             f"({LAB_CALIBRATION.name})")
     return Link(lab_preset_name(rate), bandwidth, latency, note, overhead, burst, "ring")
