@@ -4,6 +4,7 @@ any worker starts; signals and silent peers end a run instead of hanging it."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -203,6 +204,83 @@ def test_resume_applies_lr_batch_size_and_data_and_names_them(tmp_path):
     path = fake_checkpoint(tmp_path / "ck.pt")
     resumed = config("--resume", str(path), "--lr", "0.5", "--batch-size", "4")
     assert train.resume_changes(resumed) == {"lr": (0.003, 0.5), "batch_size": (16, 4)}
+
+
+# ------------------------------------------------------------------ --fsdp
+
+FSDP = ["--fsdp", "--replicas", "2", "--shards", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fsdp"], "--fsdp needs --replicas R and --shards S"),
+    (["--fsdp", "--replicas", "2"], "--fsdp needs --replicas R and --shards S"),
+    (["--replicas", "2"], "--replicas applies with --fsdp only"),
+    (["--shards", "2"], "--shards applies with --fsdp only"),
+    (["--fsdp", "--replicas", "0", "--shards", "2"], "--replicas must be at least 1, got 0"),
+    (["--fsdp", "--replicas", "2", "--shards", "-1"], "--shards must be at least 1, got -1"),
+    ([*FSDP, "--world-size", "2"], "--world-size 2 differs from --replicas 2 x --shards 2 = 4: under --fsdp the "
+     "world size is replicas x shards (leave --world-size out)"),
+    (["--fsdp", "--replicas", str(4 * CPUS), "--shards", "2"], f"at most {4 * CPUS} local workers"),
+    *[([*FSDP, "--codec", codec], f"--codec {codec} does not run under --fsdp; choose one of none, fp16, bf16, qsgd, "
+       "gqsgd, gqsgd-exp") for codec in ("topk", "randomk", "kimad", "kimad+", "ddp", "ddp-fp16", "ddp-powersgd")],
+])
+def test_bad_fsdp_setting_is_named(argv, message):
+    with pytest.raises(ValueError) as error:
+        config(*argv)
+    assert message in str(error.value)
+
+
+def test_fsdp_world_size_is_replicas_times_shards(monkeypatch):
+    assert config(*FSDP).world_size == config(*FSDP, "--world-size", "4").world_size == 4
+    assert config(*FSDP, "--codec", "gqsgd-exp").codec == "gqsgd-exp"
+    for name, value in {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"torchrun's WORLD_SIZE 8 differs from --replicas 2 x --shards 2 = 4: "
+                       r"under --fsdp the world size is replicas x shards$"):
+        config(*FSDP)
+
+
+def test_fsdp_checkpoint_does_not_replace_a_folder_that_is_not_one(tmp_path):
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="--checkpoint .*mine exists and is not a netgain --fsdp checkpoint"):
+        config(*FSDP, "--checkpoint", str(tmp_path / "mine"))
+    (tmp_path / "ck-4").mkdir()
+    (tmp_path / "ck-4" / train.SHARDED_CHECKPOINT_FILE).write_text("{}")
+    assert config(*FSDP, "--checkpoint", str(tmp_path / "ck-{step}"), "--steps", "4").checkpoint
+
+
+def fake_sharded_checkpoint(folder: Path, step: int = 4, **settings) -> Path:
+    """What check_resume reads of an --fsdp checkpoint: the JSON next to DCP's files."""
+    folder.mkdir()
+    saved = asdict(config(*FSDP, *[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
+    (folder / train.SHARDED_CHECKPOINT_FILE).write_text(json.dumps({"step": step, "world_size": 4, "config": saved}))
+    return folder
+
+
+def test_resume_across_ddp_and_fsdp_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="ck.pt was written without --fsdp, this run is with it"):
+        config(*FSDP, "--resume", str(fake_checkpoint(tmp_path / "ck.pt")))
+    with pytest.raises(ValueError, match="sharded was written with --fsdp, this run is without it"):
+        config("--resume", str(fake_sharded_checkpoint(tmp_path / "sharded")))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fsdp", "--replicas", "4", "--shards", "1"],
+     "was trained with --replicas 2 --shards 2; this run has --replicas 4 --shards 1"),
+    (["--fsdp", "--replicas", "1", "--shards", "2"], "was written by 4 workers, this run has 2"),
+    ([*FSDP, "--bits", "4"], "was trained with --bits 8; this run has --bits 4"),
+])
+def test_fsdp_resume_refuses_another_mesh_or_codec(tmp_path, argv, message):
+    path = fake_sharded_checkpoint(tmp_path / "ck")
+    with pytest.raises(ValueError) as error:
+        config("--resume", str(path), *argv)
+    assert message in str(error.value)
+
+
+def test_fsdp_checkpoint_folder_without_its_json_is_named(tmp_path):
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(ValueError, match="ck: a folder without a readable netgain.json is not a netgain --fsdp"):
+        config(*FSDP, "--resume", str(tmp_path / "ck"))
 
 
 # ------------------------------------------------------------------ netgain model

@@ -232,3 +232,69 @@ def test_register_explains_what_it_needs():
         fsdp.register(torch.nn.Linear(2, 2), None)
     with pytest.raises(ValueError, match="EF21"):
         fsdp.register(torch.nn.Linear(2, 2), None, "topk")
+
+
+class _RunsCode:
+    """A pickle that runs code on load, as a crafted checkpoint would."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+        return (Path.touch, (self.marker,))
+
+
+def test_load_checkpoint_reads_data_only(tmp_path):
+    """DCP's own load would run a pickle in .metadata or in a non-tensor item; load_checkpoint refuses both."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    import netgain.comm.fsdp as fsdp
+
+    good = tmp_path / "good"
+    dcp.save({"w": torch.arange(4.0), "step": {"n": 3}}, checkpoint_id=good)  # one process: no group needed
+    loaded = {"w": torch.zeros(4), "step": {"n": 0}}
+    fsdp.load_checkpoint(loaded, good)
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["step"] == {"n": 3}
+
+    marker = tmp_path / "code-ran"
+    item = tmp_path / "item"
+    dcp.save({"w": torch.arange(4.0), "step": _RunsCode(marker)}, checkpoint_id=item)
+    with pytest.raises(pickle.UnpicklingError, match="refused, it holds more than tensors and plain data"):
+        fsdp.load_checkpoint({"w": torch.zeros(4), "step": None}, item)
+    assert not marker.exists()
+
+    (good / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="names pathlib.Path.touch, which is not DCP metadata"):
+        fsdp.load_checkpoint({"w": torch.zeros(4)}, good)
+    assert not marker.exists()
+
+
+def _readme_lines(rank, world, lines):
+    """The README's five lines, as written (with "cpu" for "cuda"), on a model with .layers; one step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Linear(128, 128))
+    model.layers = list(model)
+    scope = {"init_device_mesh": init_device_mesh, "fully_shard": fully_shard, "model": model,
+             "nodes": REPLICAS, "gpus_per_node": SHARDS}
+    exec(lines.replace('"cuda"', '"cpu"'), scope)
+    model(_batch(rank)[0]).square().mean().backward()
+    last = scope["state"].last_step
+    return last["buckets"], [r["codec"] for r in last["per_bucket"]]
+
+
+def test_the_readme_five_lines_run():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## FSDP2 (HSDP)")[1]
+    lines = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(lines.strip().splitlines()) == 5
+    results = run(_readme_lines, REPLICAS * SHARDS, lines, timeout=120)
+    assert results == [("ok", (2, ["gqsgd(bits=8,encoding=packed)"] * 2))] * 4, results

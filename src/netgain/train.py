@@ -3,6 +3,10 @@
 Spawns `--world-size` local gloo workers, or runs as one rank when launched by torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; nccl when CUDA is available). Every batch is a pure
 function of (seed, step, rank), so a run resumed from a checkpoint equals a straight run.
+
+With --fsdp the model is fully_shard-ed (FSDP2) over the "shard" dimension of a (replicate, shard)
+DeviceMesh of --replicas x --shards ranks, and the codec carries the all-reduce across replicas
+(netgain.comm.fsdp); its checkpoints are torch.distributed.checkpoint folders.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import pickle
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import netgain.comm as comm
+import netgain.comm.fsdp as comm_fsdp
 from netgain import data, models
 
 TASKS = ("lm", "digits")
@@ -49,12 +55,16 @@ COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the
 SILENCE_NOTICE_S = 30  # a rank that makes no progress this long says so (at most half the collective timeout)
 LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
 WORKER_GRACE_S = 2  # after a worker fails or a signal, the others get this long to exit before SIGKILL
+DEFAULT_WORLD_SIZE = 2
 CHECKPOINT_KEYS = {"step", "world_size", "config", "model", "optimizer", "comm"}
+# --fsdp: a checkpoint is a DCP folder (every rank writes its shards) with this file of plain data
+SHARDED_CHECKPOINT_FILE = "netgain.json"
+SHARDED_CHECKPOINT_KEYS = {"step", "world_size", "config"}
 # On --resume: these settings are taken from this run and announced; any other difference in
 # RESUME_FIXED is refused by name (the model, the data stream or the codec state would not match).
 RESUME_APPLIED = ("lr", "batch_size", "data")
 RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "powersgd_rank",
-                "comm_budget_ms", "replan_every", "hidden_size", "layers", "seq_len")
+                "comm_budget_ms", "replan_every", "hidden_size", "layers", "seq_len", "replicas", "shards")
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,9 @@ class TrainConfig:
     batch_size: int
     lr: float
     world_size: int
+    fsdp: bool
+    replicas: int | None  # --fsdp only: the mesh's (replicate, shard) sizes, world_size = replicas * shards
+    shards: int | None
     seed: int
     data: str | None
     eval_every: int
@@ -109,16 +122,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
     parser.add_argument("--lr", type=float, default=3e-3,
                         help="AdamW learning rate (constant; on --resume it replaces the checkpoint's)")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help=f"local CPU workers to spawn on gloo, at most {LOCAL_WORKERS_PER_CPU} per CPU "
+    parser.add_argument("--world-size", type=int,
+                        help=f"local CPU workers to spawn on gloo (default {DEFAULT_WORLD_SIZE}; under --fsdp "
+                        f"--replicas x --shards), at most {LOCAL_WORKERS_PER_CPU} per CPU "
                         "(under torchrun its WORLD_SIZE applies)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with FSDP2 (fully_shard) inside each replica and send the all-reduce "
+                        "across replicas through the codec (HSDP); codecs: " + ", ".join(comm_fsdp.CODECS))
+    parser.add_argument("--replicas", type=int,
+                        help="--fsdp: model replicas, the mesh's replicate dimension (the hop the codec compresses)")
+    parser.add_argument("--shards", type=int,
+                        help="--fsdp: ranks each replica is sharded over, the mesh's shard dimension")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
     parser.add_argument("--out", help="output folder for record.json and loss.png "
                         "(default runs/<codec>-<time>, with a suffix if that folder exists)")
     parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
-                        "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step")
+                        "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step; "
+                        "with --fsdp a torch.distributed.checkpoint folder")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint (--lr, --batch-size "
                         "and --data may differ, and are announced; other settings must match)")
@@ -145,13 +167,14 @@ def run(args: argparse.Namespace) -> int:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's settings, every one checked here in the parent, before any worker starts."""
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
+    world_size = resolve_world_size(args)
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=args.warmup_steps, skip_1d=args.skip_1d,
                          powersgd_rank=args.powersgd_rank,
                          comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
-                         batch_size=batch_size, lr=args.lr, world_size=world_size, seed=args.seed,
+                         batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
+                         replicas=args.replicas, shards=args.shards, seed=args.seed,
                          data=args.data, eval_every=args.eval_every, out=args.out, checkpoint=args.checkpoint,
                          checkpoint_every=args.checkpoint_every, resume=args.resume,
                          hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
@@ -160,9 +183,48 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if not launched_by_torchrun():
         check_local_world_size(config.world_size)
     check_data(config)
+    if config.fsdp:
+        check_fsdp(config)
     if config.resume:
         check_resume(config)
     return config
+
+
+def resolve_world_size(args: argparse.Namespace) -> int:
+    """--world-size, or under --fsdp --replicas x --shards (a --world-size or torchrun WORLD_SIZE must agree)."""
+    launched = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
+    if not args.fsdp:
+        for name in ("replicas", "shards"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{_flag(name)} applies with --fsdp only")
+        return launched or (DEFAULT_WORLD_SIZE if args.world_size is None else args.world_size)
+    if args.replicas is None or args.shards is None:
+        raise ValueError("--fsdp needs --replicas R and --shards S (R x S workers, a mesh of R replicas "
+                         "each sharded over S ranks)")
+    for name in ("replicas", "shards"):
+        _require(getattr(args, name) >= 1, name, "must be at least 1", getattr(args, name))
+    mesh = args.replicas * args.shards
+    given = ("torchrun's WORLD_SIZE", launched) if launched else ("--world-size", args.world_size)
+    if given[1] is not None and given[1] != mesh:
+        raise ValueError(f"{given[0]} {given[1]} differs from --replicas {args.replicas} x --shards {args.shards} "
+                         f"= {mesh}: under --fsdp the world size is replicas x shards"
+                         + ("" if launched else " (leave --world-size out)"))
+    return mesh
+
+
+def check_fsdp(c: TrainConfig) -> None:
+    """The codecs that run on FSDP's cross-replica hop, and checkpoint folders that are netgain's to replace."""
+    if c.codec not in comm_fsdp.CODECS:
+        raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
+                         "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
+                         "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
+    start = read_checkpoint(c.resume)["step"] if c.resume else 0
+    for step in _checkpoint_steps(c, start):
+        path = Path(c.checkpoint.replace("{step}", str(step)))
+        if path.exists() and not (path / SHARDED_CHECKPOINT_FILE).is_file():
+            raise ValueError(f"--checkpoint {path} exists and is not a netgain --fsdp checkpoint (a folder with "
+                             f"{SHARDED_CHECKPOINT_FILE}); under --fsdp the checkpoint folder is replaced: "
+                             "give a new path")
 
 
 def check_numbers(c: TrainConfig) -> None:
@@ -215,6 +277,10 @@ def check_resume(c: TrainConfig) -> None:
     """Refuse by name every setting that differs from the checkpoint and cannot be applied."""
     checkpoint = read_checkpoint(c.resume)
     saved = checkpoint["config"]
+    if saved.get("fsdp", False) != c.fsdp:
+        raise ValueError(f"--resume {c.resume} was written " + ("with" if saved.get("fsdp") else "without")
+                         + " --fsdp, this run is " + ("with" if c.fsdp else "without") + " it: the model and "
+                         "optimizer are saved sharded under --fsdp and whole without")
     if checkpoint["world_size"] != c.world_size:
         raise ValueError(f"--resume {c.resume} was written by {checkpoint['world_size']} workers, "
                          f"this run has {c.world_size}: the codec state is per worker")
@@ -232,6 +298,21 @@ def check_resume(c: TrainConfig) -> None:
                              "write to a new path (a '{step}' in it helps)")
 
 
+def read_sharded_checkpoint(path: str) -> dict:
+    """The plain data of an --fsdp checkpoint folder (step, world size, config)."""
+    try:
+        checkpoint = json.loads((Path(path) / SHARDED_CHECKPOINT_FILE).read_text())
+    except OSError as error:
+        raise ValueError(f"--resume {path}: a folder without a readable {SHARDED_CHECKPOINT_FILE} is not a "
+                         f"netgain --fsdp checkpoint ({error.strerror or error})") from error
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--resume {path}: its {SHARDED_CHECKPOINT_FILE} is not JSON ({error})") from error
+    if not isinstance(checkpoint, dict) or not SHARDED_CHECKPOINT_KEYS <= checkpoint.keys():
+        raise ValueError(f"--resume {path}: its {SHARDED_CHECKPOINT_FILE} needs the keys "
+                         f"{', '.join(sorted(SHARDED_CHECKPOINT_KEYS))}")
+    return checkpoint
+
+
 def resume_changes(c: TrainConfig) -> dict[str, tuple]:
     """The settings this resumed run takes over from the command line: name -> (checkpoint's, this run's)."""
     if not c.resume:
@@ -244,8 +325,11 @@ def resume_changes(c: TrainConfig) -> dict[str, tuple]:
 def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict:
     """torch.load with weights_only=True: a checkpoint is data, and an unrestricted pickle runs code.
 
-    mmap: the parent's checks read the config without reading every tensor.
+    mmap: the parent's checks read the config without reading every tensor. A folder is an --fsdp
+    checkpoint: its SHARDED_CHECKPOINT_FILE (JSON) only; the workers load the shards through DCP.
     """
+    if Path(path).is_dir():
+        return read_sharded_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except OSError as error:
@@ -409,6 +493,11 @@ class LanguageModelTask:
     def build_model(self) -> nn.Module:
         return models.byte_llama(self.config.hidden_size, self.config.layers, self.config.seq_len)
 
+    @staticmethod
+    def blocks(model: nn.Module) -> list[nn.Module]:
+        """--fsdp: one FSDP group per decoder layer (the root holds embeddings, norm and head)."""
+        return list(model.model.layers)
+
     def train_loss(self, model: nn.Module, step: int, rank: int, world_size: int,
                    device: torch.device) -> torch.Tensor:
         c = self.config
@@ -417,10 +506,13 @@ class LanguageModelTask:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, rank: int, world_size: int, device: torch.device) -> dict:
+        """Every rank runs as many forwards (an FSDP forward all-gathers): a rank short of a batch weighs one 0."""
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, batches
-        for ids in self.validation[rank::world_size]:
-            ids = ids.to(device)
-            sums += torch.tensor([model(input_ids=ids, labels=ids).loss.item(), 1.0],
+        mine = self.validation[rank::world_size]
+        for i in range(-(-len(self.validation) // world_size)):
+            ids = (mine[i] if i < len(mine) else self.validation[0]).to(device)
+            weight = float(i < len(mine))
+            sums += torch.tensor([weight * model(input_ids=ids, labels=ids).loss.item(), weight],
                                  dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         return {"val_loss": (sums[0] / sums[1]).item()}
@@ -435,6 +527,11 @@ class DigitsTask:
 
     def build_model(self) -> nn.Module:
         return models.digits_mlp()
+
+    @staticmethod
+    def blocks(model: nn.Module) -> list[nn.Module]:
+        """--fsdp: the MLP is one FSDP group (the root's)."""
+        return []
 
     def train_loss(self, model: nn.Module, step: int, rank: int, world_size: int,
                    device: torch.device) -> torch.Tensor:
@@ -524,17 +621,29 @@ class Trainer:
         progress.beat("building the model and codec")
         self.task = TASK_CLASSES[config.task](config)
         torch.manual_seed(config.seed)  # identical initialisation on every rank
-        model = self.task.build_model().to(device)
-        self.ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if config.codec in comm.baselines.BASELINES:
-            self.comm_state = comm.baselines.register(self.ddp, config.codec, rank=config.powersgd_rank,
-                                                      warmup_steps=config.warmup_steps)
+        self.module = self.task.build_model().to(device)  # what evaluation and the report see
+        codec = dict(bits=config.bits, encoding=config.encoding, warmup_steps=config.warmup_steps,
+                     skip_1d=config.skip_1d, seed=config.seed)
+        if config.fsdp:  # FSDP2 inside each replica; the codec on the all-reduce across replicas
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (config.replicas, config.shards),
+                                    mesh_dim_names=(comm_fsdp.REPLICATE, comm_fsdp.SHARD))
+            for block in self.task.blocks(self.module):
+                fully_shard(block, mesh=mesh[comm_fsdp.SHARD])
+            self.model = fully_shard(self.module, mesh=mesh[comm_fsdp.SHARD])
+            self.comm_state = comm_fsdp.register(self.model, mesh, config.codec, **codec)
         else:
-            self.comm_state = comm.register(self.ddp, config.codec, bits=config.bits, encoding=config.encoding,
-                                            ratio=config.ratio, budget_ms=config.comm_budget_ms,
-                                            replan_every=config.replan_every, warmup_steps=config.warmup_steps,
-                                            skip_1d=config.skip_1d, seed=config.seed)
-        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
+            self.model = DistributedDataParallel(self.module, device_ids=[device] if device.type == "cuda" else None)
+            if config.codec in comm.baselines.BASELINES:
+                self.comm_state = comm.baselines.register(self.model, config.codec, rank=config.powersgd_rank,
+                                                          warmup_steps=config.warmup_steps)
+            else:
+                self.comm_state = comm.register(self.model, config.codec, ratio=config.ratio,
+                                                budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
+                                                **codec)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
 
     def train(self) -> None:
@@ -546,7 +655,7 @@ class Trainer:
         for step in bar:
             self.progress.beat(f"in step {step}")
             start = time.perf_counter()
-            loss = self.task.train_loss(self.ddp, step, self.rank, self.world_size, self.device)
+            loss = self.task.train_loss(self.model, step, self.rank, self.world_size, self.device)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -571,13 +680,13 @@ class Trainer:
         if self.rank == 0:
             resumed = ({"checkpoint": c.resume, "step": self.start_step, "applied": resume_changes(c)}
                        if c.resume else None)
-            report(c, self.world_size, history, validations, self.device, self.ddp.module, resumed)
+            report(c, self.world_size, history, validations, self.device, self.module, resumed)
 
     def evaluate(self) -> dict:
         self.progress.beat("validating")
-        self.ddp.module.eval()
-        metrics = self.task.evaluate(self.ddp.module, self.rank, self.world_size, self.device)
-        self.ddp.module.train()
+        self.module.eval()
+        metrics = self.task.evaluate(self.module, self.rank, self.world_size, self.device)
+        self.module.train()
         return metrics
 
     def mean_over_ranks(self, values: list[float]) -> list[float]:
@@ -586,11 +695,18 @@ class Trainer:
         return (total / self.world_size).tolist()
 
     def save_checkpoint(self, path: str, step: int) -> None:
-        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective)."""
+        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective).
+
+        --fsdp: every rank writes its shards into a DCP folder, rank 0 adds SHARDED_CHECKPOINT_FILE.
+        Both write next to `path` first and replace it when complete.
+        """
+        if self.config.fsdp:
+            self.save_sharded_checkpoint(Path(path), step)
+            return
         comm_states = self.comm_state.state_dict()
         if self.rank == 0:
             checkpoint = {"step": step, "world_size": self.world_size, "config": asdict(self.config),
-                          "model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                           "comm": comm_states}
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             partial = Path(f"{path}.partial")
@@ -598,15 +714,46 @@ class Trainer:
             partial.replace(path)
         dist.barrier()
 
+    def save_sharded_checkpoint(self, path: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        partial, replaced = Path(f"{path}.partial"), Path(f"{path}.replaced")
+        dcp.save(self.sharded_state(), checkpoint_id=partial)  # returns on every rank once .metadata is written
+        if self.rank == 0:
+            plain = {"step": step, "world_size": self.world_size, "config": asdict(self.config)}
+            (partial / SHARDED_CHECKPOINT_FILE).write_text(json.dumps(plain, indent=1))
+            if path.exists():  # check_fsdp made sure it is an earlier netgain checkpoint
+                path.rename(replaced)
+            partial.rename(path)
+            shutil.rmtree(replaced, ignore_errors=True)
+        dist.barrier()
+
+    def sharded_state(self) -> dict:
+        """What DCP saves and loads in place: model and optimizer shards, and the comm state (a Stateful)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "comm": self.comm_state}
+
     def load_checkpoint(self, path: str) -> int:
         """build_config has checked the checkpoint against this run; --lr replaces the saved rate."""
-        checkpoint = read_checkpoint(path, map_location=self.device)
-        self.ddp.module.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state = self.sharded_state()
+            comm_fsdp.load_checkpoint(state, path)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            step = read_sharded_checkpoint(path)["step"]
+        else:
+            checkpoint = read_checkpoint(path, map_location=self.device)
+            self.module.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.comm_state.load_state_dict(checkpoint["comm"])
+            step = checkpoint["step"]
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.lr
-        self.comm_state.load_state_dict(checkpoint["comm"])
-        return checkpoint["step"]
+        return step
 
 
 def _progress(steps: range, enabled: bool):
@@ -626,7 +773,8 @@ def report(config: TrainConfig, world_size: int, history: dict, validations: lis
     record = {"config": asdict(config), "resumed": resumed, "summary": summary, "per_step": history,
               "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
     (out / "record.json").write_text(json.dumps(record, indent=1))
-    plot_losses(history, validations, out / "loss.png", f"{config.task}, codec {config.codec}")
+    plot_losses(history, validations, out / "loss.png",
+                f"{config.task}, codec {config.codec}" + (f", fsdp {config.replicas}x{config.shards}" if config.fsdp else ""))
     written = [out / "record.json", out / "loss.png"]
     if config.codec in comm.ADAPTIVE_MODES:
         plot_adaptive(history, out / "adaptive.png", f"{config.codec}, {world_size} workers")
@@ -648,6 +796,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
         "task": config.task,
         "codec": config.codec,
         "world_size": world_size,
+        **({"fsdp_mesh": f"{config.replicas} replicas x {config.shards} shards"} if config.fsdp else {}),
         "parameters": models.parameter_count(model),
         "steps": history["step"][-1] + 1,
         "samples_per_s": config.batch_size * world_size / step_s,

@@ -22,21 +22,26 @@ FSDP's post-backward: FSDP reads the gradients right after it returns.
 
 from __future__ import annotations
 
-import concurrent.futures
+import pickle
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from .config import CommConfig, comm_config
+from .config import (CODEC_CONFIGS, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
+                     NoCompressionConfig, QSGDConfig, comm_config)
 from .fused import Segments, name_key
-from .hooks import CommState, _check_same_config, _settle
+from .hooks import CommState
 from .store import BucketLayout
 
 REPLICATE, SHARD = "replicate", "shard"
+# codecs without per-rank state: EF21 (topk, randomk) and Kimad's plans would have to be sharded with FSDP
+CONFIGS = (NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig)
+CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
 
 
 class FSDPCommState(CommState):
@@ -51,44 +56,28 @@ class FSDPCommState(CommState):
     def __init__(self, config: CommConfig, *, process_group: dist.ProcessGroup, param_names: dict[int, str]):
         super().__init__(config, process_group=process_group, param_names=param_names)
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
+        self._flat_layouts: dict[int, tuple[tuple, BucketLayout]] = {}
+        self._in_step = False
 
     def reduce(self, index: int, flat: torch.Tensor) -> None:
         """Replace ``flat`` (one group's reduce-scatter output) by its mean over the replicas."""
-        now = time.perf_counter()
-        if not self._jobs:
-            self._first_submit = now
-            Variable._execution_engine.queue_callback(self._finish_step)  # runs after FSDP's own
-        self._last_submit = now
-        if not self._started:
-            self._start()
-            self._stream = None  # FSDP already runs the hook on its own all-reduce stream
-        job = {"index": index, "buffer": flat, "layout": self._flat_layout(index, flat),
-               "result": torch.futures.Future(), "verdict": concurrent.futures.Future(),
-               "done": concurrent.futures.Future(), "last": False}
-        self._jobs.append(job)
+        if not self._in_step:
+            self._in_step = True
+            Variable._execution_engine.queue_callback(self._close_step)  # runs after FSDP's own
         try:
-            self._send(job)
-            job["done"].result()
-            error = job["verdict"].exception()
-            if error is not None:
-                raise error
-        except Exception as error:
-            self._failure = f"group {index} failed ({type(error).__name__})"
-            _settle(job, error)
-            self._finish_step()  # autograd skips final callbacks once a backward raises
+            self.reduce_flat(index, flat, self._flat_layout(index, flat))
+        except Exception:
+            self._close_step()  # autograd skips final callbacks once a backward raises
             raise
-        if flat.is_cuda:  # the decode ran on the collective's stream: order it before FSDP's views
-            torch.cuda.synchronize(flat.device)
 
-    def _finish_step(self) -> None:
-        if self._jobs:
-            jobs, self._jobs = self._jobs, []
-            self._end_step(jobs, time.perf_counter())
+    def _close_step(self) -> None:
+        self._in_step = False
+        self.end_step()
 
     def _flat_layout(self, index: int, flat: torch.Tensor) -> BucketLayout:
         """Each group's layout, built once: its parameters' padded shards tile the flat output."""
         key = ("fsdp", flat.numel(), flat.dtype, flat.device)
-        cached = self._layouts.get(index)
+        cached = self._flat_layouts.get(index)
         if cached is not None and cached[0] == key:
             return cached[1]
         params = [p for p in self._groups[index] if p.sharded_param.requires_grad]
@@ -97,14 +86,14 @@ class FSDPCommState(CommState):
             raise RuntimeError(f"FSDP group {index}: its reduce-scatter output has {flat.numel()} elements, its "
                                f"trainable parameters {sum(sizes)}: a parameter got no gradient this step; call "
                                "model.set_reduce_scatter_unused_params(True) so every rank sends the same layout")
-        names = [self._name(p.sharded_param) for p in params]
+        names = [self.name_of(p.sharded_param) for p in params]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         exact = [torch.arange(o, o + k, device=flat.device) for o, k, p in zip(offsets, sizes, params)
                  if self.config.skip_1d and p.sharded_param.dim() <= 1]
         layout = BucketLayout(names, list(zip(offsets, sizes)),
                               Segments.build(sizes, [name_key(n) for n in names], flat.device),
                               torch.cat(exact) if exact else None)
-        self._layouts[index] = (key, layout)
+        self._flat_layouts[index] = (key, layout)
         return layout
 
 
@@ -113,20 +102,18 @@ def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "
 
     ``model``: fully_shard-ed (root and submodules) over ``mesh["shard"]``; ``mesh``: the 2-D
     (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register: none, fp16/bf16,
-    gqsgd (int8 or packed), qsgd, gqsgd-exp. Collective over the default group: raises
+    gqsgd (int8 or packed), qsgd, gqsgd-exp (CODECS). Collective over the default group: raises
     PlanMismatchError on every rank when the ranks' configs differ.
     """
     comm = comm_config(config, **options)
-    chooser = comm.codec.build()
-    if not hasattr(chooser, "codec") or chooser.codec.uses_feedback:
-        raise ValueError(f"netgain.comm.fsdp supports codecs without per-rank state (none, fp16, bf16, gqsgd, qsgd, "
-                         f"gqsgd-exp), got {chooser.describe()}: EF21 and Kimad state is not sharded with FSDP yet")
+    if not isinstance(comm.codec, CONFIGS):
+        raise ValueError(f"netgain.comm.fsdp supports codecs without per-rank state ({', '.join(CODECS)}), got "
+                         f"{comm.codec.build().describe()}: EF21 and Kimad state is not sharded with FSDP yet")
     _check_mesh(model, mesh)
     group = mesh.get_group(REPLICATE)
     state = FSDPCommState(comm, process_group=group,
                           param_names={id(p): name for name, p in model.named_parameters()})
-    _check_same_config(comm, None)  # every rank of the job, not only this replicate group
-    state._config_checked = True
+    state.check_config(None)  # every rank of the job, not only this replicate group
     for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
         param_group = module._get_fsdp_state()._fsdp_param_group
         if param_group is None:  # fully_shard of a module without parameters of its own
@@ -153,3 +140,66 @@ def _check_mesh(model, mesh: DeviceMesh) -> None:
             raise ValueError(f"module {name or '<root>'!r} is sharded over {param_group.mesh_info.mesh}, not over "
                              f"mesh['{SHARD}']: with a 2-D mesh FSDP2 all-reduces across replicas in full precision "
                              f"itself; call fully_shard(module, mesh=mesh['{SHARD}'])")
+
+
+def load_checkpoint(state_dict: dict, path) -> None:
+    """torch.distributed.checkpoint.load(state_dict, checkpoint_id=path), reading data only.
+
+    DCP's own reader unpickles the checkpoint's .metadata and its non-tensor items without
+    restriction, so a crafted checkpoint could run code; here .metadata may name DCP's metadata
+    classes only and the items load with torch.load(weights_only=True). Raises pickle.UnpicklingError
+    on anything else, on every rank.
+    """
+    reader = _DataOnlyReader(path)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=_DataOnlyPlanner())
+    except dcp.api.CheckpointException as error:  # DCP gathers every rank's failure into one exception
+        refused = [e for e, _ in error.failures.values() if isinstance(e, pickle.UnpicklingError)] + reader.refused
+        if not refused:
+            raise
+        lines = str(refused[0]).splitlines()
+        reason = next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0])
+        raise pickle.UnpicklingError(f"checkpoint {path}: refused, it holds more than tensors and plain data "
+                                     f"(read with weights_only=True, so it cannot run code): {reason}") from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """What DCP's .metadata holds: its metadata classes, torch.Size, dtypes, layouts, a path."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module, name):
+        metadata = module == "torch.distributed.checkpoint.metadata" and isinstance(
+            getattr(dcp.metadata, name, None), type)
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if metadata or dtype or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not DCP metadata: refused")
+
+
+class _DataOnlyReader(dcp.FileSystemReader):
+    """Reads .metadata through _MetadataUnpickler; keeps what it refused (DCP rewords that error)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.refused: list[pickle.UnpicklingError] = []
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            try:
+                metadata = _MetadataUnpickler(file).load()
+            except pickle.UnpicklingError as error:
+                self.refused.append(error)
+                raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value) -> None:
+        torch.load(value, weights_only=True)  # raises on anything but tensors and plain data
+        value.seek(0)
+        super().load_bytes(read_item, value)  # DCP's own placement of the same, checked bytes
