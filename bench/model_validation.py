@@ -209,15 +209,22 @@ def write_report(rows: list[dict], out: Path) -> None:
         "(allreduce MAX of P + 3 float32, P = parameters in the bucket; codecs with a header only) "
         "then the payload collective with the dtype and element count that the codec's own encode "
         "returns; every repeat starts after a barrier and a pause that refills the token bucket, as "
-        f"a step's compute does; median of {rows[0]['repeats']} repeats of the mean over ranks. This "
+        f"a step's compute does; mean over {rows[0]['repeats']} repeats and over ranks (a small "
+        "collective on this machine takes either about 0.4 ms or 3-5 ms, with or without the shaper: "
+        "the mean is what steps pay). This "
         "is what the model's comm_s predicts: time on the wire with nothing else running. "
         "**Predicted communication**: netgain.cost.network.predict(..., compute_s=0).comm_s on the "
         "lab preset (fitted to bench/results/lab_collectives.md, not to these rows) with the real "
         "header size. The hook's comm_s inside training (header + payload, launch to completion on "
         "rank 0) is shown beside it: it also holds the wait for the slower rank and the CPU the "
         "backward takes from gloo's threads on this 2-core machine, which no network model covers.",
-        "**Step**: predicted from (a) the compute-bound limit (no rate limit, no compression), (b) the "
-        "row's own compute (its step minus the hook's wait for the network).",
+        "**Step**: predicted from (a) the compute-bound limit (no rate limit, no compression), measured "
+        "once per window, (b) the row's own compute (its step minus the hook's wait for the network). "
+        "Limit compute against the rows' median own compute: " + "; ".join(
+            f"{n} workers {limit:.3f} s / {statistics.median(r['row_compute_s'] for r in rows if r['workers'] == n):.3f} s"
+            for n, limit in {r["workers"]: r["limit_compute_s"] for r in rows}.items())
+        + " (where they differ, the machine's speed moved between the limit run and the rows, and (a) "
+        "shows that, not the network model).",
         "",
         "| workers | rate | codec | measured comm ms | predicted comm ms | comm error | hook comm in training ms "
         "(predicted) | measured step s | predicted (a) s | error (a) | predicted (b) s | error (b) "
