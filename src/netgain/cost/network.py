@@ -101,7 +101,6 @@ PRESETS = {
 }
 
 
-
 # The throttled-network lab (bench/lab.py) on this CPU machine: gloo over veths shaped by tbf.
 # Its links are fitted to gloo collectives timed alone on the lab (bench/lab_collectives.py writes
 # the samples next to this file); see fit_lab.
