@@ -6,7 +6,7 @@ model is calibrated and checked on collectives timed here: every repeat starts w
 a pause (`gap_s`) that refills the lab's token bucket, as the compute between two steps does,
 and a second barrier (the ranks do not wake from the pause together).
 
-    python bench/lab_collectives.py --workers 2 3 --rates 100mbit 1gbit   # calibration, ~2 min
+    python bench/lab_collectives.py --workers 2 3 --rates 100mbit 1gbit   # calibration, ~4 min
 Writes src/netgain/cost/lab_collectives.json (what the lab presets of netgain.cost.network are
 fitted on) and bench/results/lab_collectives.{md,csv}. Root needed for the lab.
 """
@@ -31,12 +31,17 @@ from provenance import git_commit, write_csv  # noqa: E402
 DATA = HERE.parent / "src" / "netgain" / "cost" / "lab_collectives.json"
 REPEATS = 21
 GAP_S = 0.06  # longer than the lab's token bucket takes to refill at 100 Mbit/s (256 KiB: 21 ms)
+# latency-bound ones (<= 1 KiB): more repeats, a short pause (they hardly touch the token bucket)
+SMALL_REPEATS = 81
+SMALL_GAP_S = 0.01
 # (op, dtype, numel): small to bandwidth-bound, the codecs' payload dtypes, the header's MAX
-SIZES = (1, 16, 256, 4096, 65536, 262144, 1048576)
+SIZES = (4096, 65536, 262144, 1048576)
+SMALL = (*(("allreduce", "float32", n) for n in (1, 4, 16, 64, 256)),
+         *(("allreduce_max", "float32", n) for n in (4, 16, 64)),
+         *(("allgather", "int32", n) for n in (1, 16, 256)))
 CALIBRATION = (*(("allreduce", "float32", n) for n in SIZES),
                *(("allgather", "int32", n) for n in SIZES[:-1]),
-               *(("allreduce", dtype, 262144) for dtype in ("float16", "int8", "int32", "int64")),
-               ("allreduce_max", "float32", 64))
+               *(("allreduce", dtype, 262144) for dtype in ("float16", "int8", "int32", "int64")))
 # the same large allreduces with no pause: the token bucket stays drained (the paced rate alone)
 DRAINED = tuple(("allreduce", "float32", n) for n in SIZES[-2:])
 
@@ -110,16 +115,18 @@ def calibrate(workers: list[int], rates: list[str]) -> list[dict]:
     import torch
 
     rows = []
-    specs = [(spec, GAP_S) for spec in CALIBRATION] + [(spec, 0.0) for spec in DRAINED]
-    items = [[{"op": op, "dtype": dtype, "numel": numel}] for (op, dtype, numel), _ in specs]
+    passes = (([(spec, SMALL_GAP_S) for spec in SMALL], SMALL_REPEATS),
+              ([(spec, GAP_S) for spec in CALIBRATION] + [(spec, 0.0) for spec in DRAINED], REPEATS))
     for n in workers:
         for rate in rates:
-            seconds = run(n, rate, items, gaps=[gap for _, gap in specs])
-            for ((op, dtype, numel), gap), (s,) in zip(specs, seconds):
-                nbytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-                rows.append({"workers": n, "rate": rate, "op": op, "dtype": dtype, "numel": numel,
-                             "bytes": nbytes, "gap_s": gap, "seconds": s})
-                print(f"n={n} {rate} {op} {dtype} {nbytes:>9,} B gap {gap}: {s * 1e3:8.3f} ms", flush=True)
+            for specs, repeats in passes:
+                items = [[{"op": op, "dtype": dtype, "numel": numel}] for (op, dtype, numel), _ in specs]
+                seconds = run(n, rate, items, repeats, gaps=[gap for _, gap in specs])
+                for ((op, dtype, numel), gap), (s,) in zip(specs, seconds):
+                    nbytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+                    rows.append({"workers": n, "rate": rate, "op": op, "dtype": dtype, "numel": numel,
+                                 "bytes": nbytes, "gap_s": gap, "repeats": repeats, "seconds": s})
+                    print(f"n={n} {rate} {op} {dtype} {nbytes:>9,} B gap {gap}: {s * 1e3:8.3f} ms", flush=True)
     return rows
 
 
@@ -150,7 +157,7 @@ def store(rows: list[dict], args, load: tuple[float, float]) -> None:
     command = " ".join(["python bench/lab_collectives.py", "--workers", *map(str, args.workers),
                         "--rates", *args.rates])
     provenance = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "commit": git_commit(),
-                  "command": command, "load_1min": list(load), "repeats": REPEATS, "gap_s": GAP_S}
+                  "command": command, "load_1min": list(load)}
     DATA.write_text(json.dumps({"provenance": provenance, "samples": rows}, indent=1) + "\n")
 
 
@@ -166,9 +173,10 @@ def write_report(out: Path) -> None:
              f"Machine: {provenance['machine']}, no GPU; commit {provenance['commit']}; 1-minute load "
              f"average {load[0]:.2f} before, {load[1]:.2f} after.",
              f"Command: `{command}`",
-             f"Each value: mean over {provenance['repeats']} repeats (after one warm-up) and over ranks; "
-             f"every repeat starts with a barrier, a {provenance['gap_s'] * 1e3:.0f} ms pause (token bucket "
-             "refilled; 0 in the rows marked drained) and a second barrier.",
+             "Each value: mean over its repeats (after one warm-up) and over ranks; every repeat starts "
+             "with a barrier, a pause (token bucket refilled; none in the rows marked drained) and a "
+             "second barrier. The mean, not the median: a small collective here takes either about "
+             "0.4 ms or 3-5 ms, with or without the shaper.",
              "Fit: netgain.cost.network.fit_lab, what the lab presets use (rate: the tbf rate times "
              "the TCP payload share of a 1514-byte frame, 1448/1514):", ""]
     links = {rate: net.fit_lab(rows, rate) for rate in dict.fromkeys(r["rate"] for r in rows)}
@@ -177,13 +185,14 @@ def write_report(out: Path) -> None:
         lines.append(f"- {rate}: overhead {link.overhead * 1e3:.3f} ms per collective, latency "
                      f"{link.latency * 1e3:.3f} ms per ring step, bandwidth {link.bandwidth / 1e6:.2f} MB/s "
                      f"({link.bandwidth / nominal.bandwidth:.1%} of the rate's), burst {link.burst / 1e3:.0f} kB")
-    lines += ["", "| workers | rate | op | dtype | bytes | pause | measured ms | fitted model ms | error |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| workers | rate | op | dtype | bytes | pause ms | repeats | measured ms | fitted model ms | error |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         link = links[r["rate"]]
         model = net.lab_collective_s(r["op"], r["bytes"], r["workers"], link, link.burst if r["gap_s"] else 0.0)
         lines.append(f"| {r['workers']} | {r['rate']} | {r['op']} | {r['dtype']} | {r['bytes']:,} | "
-                     f"{'yes' if r['gap_s'] else 'drained'} | {r['seconds'] * 1e3:.3f} | {model * 1e3:.3f} | "
+                     f"{r['gap_s'] * 1e3:.0f}{'' if r['gap_s'] else ' (drained)'} | {r['repeats']} | "
+                     f"{r['seconds'] * 1e3:.3f} | {model * 1e3:.3f} | "
                      f"{(model - r['seconds']) / r['seconds']:+.1%} |")
     lines += ["", f"Lab namespaces left (`ip netns list`): {len(list_lab_namespaces())}.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
