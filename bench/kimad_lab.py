@@ -7,6 +7,7 @@ and kimad with a communication budget, fixed gqsgd 8-bit, fp32 (`none`), and the
 whose bits per element come closest to kimad+'s average traffic.
 
     python bench/kimad_lab.py [--steps 120] [--schedule 0:1gbit,40:100mbit,80:300mbit] [--budget-ms 200]
+                              [--codecs kimad+,kimad,gqsgd,none]
 
 Writes bench/results/kimad_lab.md/.csv and kimad_lab.png; records stay under runs/kimad_lab/.
 """
@@ -96,22 +97,29 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--schedule", default="0:1gbit,40:100mbit,80:300mbit")
     parser.add_argument("--budget-ms", type=float, default=200.0)
+    parser.add_argument("--codecs", default="kimad+,kimad,gqsgd,none",
+                        help="rows to run, of kimad+, kimad, gqsgd (8-bit, and the bits closest to kimad+'s traffic), none")
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_lab"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     schedule = parse_schedule(args.schedule)
     budget_s = args.budget_ms / 1e3
-    load_start = os.getloadavg()[1]
+    load_start = os.getloadavg()
+    codecs = args.codecs.split(",")
+    unknown = sorted(set(codecs) - {"kimad+", "kimad", "gqsgd", "none"})
+    if unknown:
+        raise SystemExit(f"--codecs: unknown {unknown}; choose from kimad+, kimad, gqsgd, none")
     plan = [("kimad+", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
             ("kimad", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
             ("gqsgd", ["--bits", "8"]), ("none", [])]
+    plan = [(name, extra) for name, extra in plan if name in codecs]
     records = {}
     with terminate_on_signals():
         for name, extra in plan:
             label = " ".join([name, *extra[:2]]) if name.startswith("kimad") else " ".join([name, *extra])
             print(f"== {label}", flush=True)
             records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"))
-            if name == "kimad+":  # queue the fixed codec that sends what kimad+ sent on average
+            if name == "kimad+" and "gqsgd" in codecs:  # queue the fixed codec that sends what kimad+ sent on average
                 summary = records[label]["summary"]
                 bits = closest_bits(summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"], 2)
                 if bits != 8:
@@ -127,11 +135,12 @@ def main(argv=None) -> int:
     plot(records, schedule, budget_s, args.out / "kimad_lab.png")
     commit = git_commit()
     lines = ["# Kimad on a link whose rate changes during training", "",
-             f"Machine: 2-core x86_64 shared with other jobs (load average {load_start:.1f} at start, "
-             f"{os.getloadavg()[1]:.1f} at end), no GPU; commit {commit}; 2 lab workers.",
+             f"Machine: 2-core x86_64 shared with other jobs, in a quiet window (load average 1/5 min "
+             f"{load_start[0]:.2f}/{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f}/{os.getloadavg()[1]:.2f} "
+             f"at end), no GPU; commit {commit}; 2 lab workers.",
              f"Command: `python bench/kimad_lab.py --steps {args.steps} --schedule {args.schedule} "
-             f"--budget-ms {args.budget_ms}`. Communication = collective + encode + decode seconds per step "
-             f"(the hook's own timing); held to account from {SETTLE_STEPS} steps after each change.", "",
+             f"--budget-ms {args.budget_ms} --codecs {args.codecs}`. Communication = collective + encode + decode "
+             f"seconds per step (the hook's own timing); held to account from {SETTLE_STEPS} steps after each change.", "",
              "| run | rate | steps | comm median s | comm p90 s | steps within 1.1 x budget | bandwidth estimate Mbit/s "
              "| wire bytes/step | final val loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

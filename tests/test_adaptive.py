@@ -146,13 +146,6 @@ def test_plan_takes_a_safe_biased_option_when_no_unbiased_one_fits():
     assert planner_on_link("kimad+", 0.01, RELATIVE) == ["topk(ratio=0.01)"]
 
 
-def test_ef21_resumes_from_an_exact_step_after_another_code():
-    planner = AdaptivePlanner("kimad+")
-    planner.plan = {0: (100, TopK(0.1))}
-    planner._sent = {0: GlobalQSGD(8)}
-    assert [planner.codec_for(0, 100).describe() for _ in range(3)] == ["none", "topk(ratio=0.1)", "topk(ratio=0.1)"]
-
-
 def adaptive_run(rank, world_size, mode, force_mismatch=False):
     model = DDP(big_layers(), bucket_cap_mb=0.2)
     state = comm.register(model, mode, min_compress_numel=0, replan_every=2, comm_budget_ms=2.0)

@@ -19,9 +19,8 @@ averages down over n ranks, a biased one's does not). Among admissible options t
 the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budget, then any
 admissible one that fits, the least total error first; when nothing admissible fits, each bucket
 takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive.
-A bucket enters an EF21 option from a non-EF21 code through one uncompressed step, so EF21
-resumes from an exact state instead of a stale one. Every input to the solver is agreed by
-collectives, so every rank computes the same plan; the hook's header checks it bucket by bucket.
+Every input to the solver is agreed by collectives, so every rank computes the same plan; the
+hook's header checks it bucket by bucket.
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ class AdaptivePlanner:
         self.relative: dict[int, list[float]] = {}        # bucket index -> those errors / the gradient's energy
         self._local_errors: dict[int, list[float]] = {}
         self._numels: dict[int, int] = {}                 # bucket index -> numel, this step's layout
-        self._sent: dict[int, Codec] = {}                 # bucket index -> the codec it used last
         self._profiles: dict[int, list[network.CodecProfile]] = {}
         self._predicted: float | None = None
         self._backward_s: float | None = None
@@ -81,14 +79,8 @@ class AdaptivePlanner:
         planned = self.plan.get(index)
         if planned is None or planned[0] != numel:
             self._stale = True  # a new bucket layout (DDP rebuilds after step 1): measure and re-plan
-            codec = self.options[0]
-        else:
-            codec, previous = planned[1], self._sent.get(index)
-            if codec.uses_feedback and previous is not None and not previous.uses_feedback \
-                    and not isinstance(previous, NoCompression):
-                codec = self.options[0]  # EF21 restarts exact after an uncompressed step, not from a stale state
-        self._sent[index] = codec
-        return codec
+            return self.options[0]
+        return planned[1]
 
     def describe(self) -> str:
         return self.mode
