@@ -138,10 +138,17 @@ def test_gac_selection_is_aligned_and_within_the_raw_budget(fitted_llama):
 
 
 def test_gac_keeps_a_cliff_free_size_when_the_proposal_sits_on_a_cliff():
-    units = [unit(proposed=25, score=1.0), LowRankUnit("v", 40, 64, 0.5, 64, 160)]
+    units = [unit(proposed=25, score=1.0), LowRankUnit("v", 47, 64, 0.5, 64, 160)]  # v's slack pays u's way up
     sizes = gac.select(units, CliffCost(), tokens=4, multiple=8, steps=2)
     assert sizes["u"] != 24 and sizes["u"] % 8 == 0
     assert total_params(units, sizes) <= total_params(units, proposed_sizes(units))
+
+
+def test_cuts_below_round_down_stay_within_the_trust_region():
+    big, small = LowRankUnit("b", 300, 640, 1.0, 640, 1024), LowRankUnit("s", 45, 640, 1.0, 640, 1024)
+    assert gac.candidate_sizes(big, 8, 4) == [272, 280, 288, 296, 304, 312, 320, 328, 336]  # round-down 296; >= 270 below it
+    assert gac.candidate_sizes(small, 8, 4) == [40, 48, 56, 64, 72, 80]  # nothing under round-down's 40 (10% of 45)
+    assert gac.candidate_sizes(small, 8, 4, trust=1.0) == [16, 24, 32, 40, 48, 56, 64, 72, 80]
 
 
 def test_naive_rounding():
