@@ -75,7 +75,8 @@ def test_noise_is_a_pure_function_of_keys_and_independent_of_the_layout():
 def test_stochastic_rounding_is_unbiased():
     s = Segments.build([200_000], [fused.name_key("w")], "cpu")
     x = torch.full((200_000,), 2.3)
-    codes = fused.round_int8.eager(x, s.seg, s.starts, torch.ones(1), fused.step_keys(s.keys, 0, 0, 0), 127).float()
+    codes = fused.round_int8(x, s, torch.ones(1), fused.step_keys(s.keys, 0, 0, 0), 127,
+                             torch.empty(x.numel(), dtype=torch.int8)).float()
     assert set(codes.unique().tolist()) == {2.0, 3.0}
     assert abs(codes.mean().item() - 2.3) < 3 * 0.46 / 200_000 ** 0.5
 
@@ -86,3 +87,26 @@ def test_segmented_max_matches_a_loop_and_flags_nonfinite():
     assert torch.equal(s.absmax(x), expected)
     x[3000 + 1 + 5] = float("nan")  # inside the third parameter
     assert torch.isnan(s.absmax(x)).tolist() == [False, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("compiled", ["0", "1"])
+@pytest.mark.parametrize("sizes", [[5000], [1024, 1024, 7], [700, 700, 700, 3000], [1, 2, 3, 4096, 5, 2500, 1023]],
+                         ids=lambda sizes: "-".join(map(str, sizes)))
+def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
+    """Row tables (<= 2 parameters a row) and fix elements give what every element computed alone gives."""
+    monkeypatch.setenv("NETGAIN_COMPILE", compiled)
+    s = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(len(sizes))], "cpu")
+    x = torch.randn(s.numel, generator=torch.Generator().manual_seed(1)) * 3
+    multiplier, keys = torch.rand(len(sizes)) * 40 + 1, fused.step_keys(s.keys, 2, 3, 1)
+    index, seg = torch.arange(s.numel), s.seg.long()
+    expected = fused._round_elements.eager(x, index, seg, s.starts, multiplier, keys, 127)
+    assert torch.equal(fused.round_int8(x, s, multiplier, keys, 127, torch.empty_like(expected)), expected)
+    assert torch.equal(fused.scale_into(torch.empty_like(x), expected, s, multiplier), expected.float() * multiplier[seg])
+    assert torch.equal(s.absmax(x), torch.stack([part.abs().max() for part in x.split(sizes)]))
+    for per_word, width in [(3, 10), (2, 15)]:  # planar packing: fields cut rows at other places
+        total = -(-s.numel // per_word)
+        padded = torch.full((per_word * total,), -127, dtype=torch.int8)
+        padded[: s.numel] = expected
+        words = fused.pack(torch.empty(total, dtype=torch.int32), padded, 127, width)
+        unpacked = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, 127, width)
+        assert torch.equal(unpacked, expected.float() * multiplier[seg])

@@ -25,7 +25,8 @@ def worker_payloads(codec, world_size, numel, kind, seed):
                       scales=scale)
         payloads.append(codec.encode(x, ctx))
         levels = codec.levels(world_size)
-        codes.append(fused.round_int8.eager(x, s.seg, s.starts, levels / scale, ctx.noise_keys, levels).long()
+        codes.append(fused.round_int8(x, s, levels / scale, ctx.noise_keys, levels,
+                                     torch.empty(numel, dtype=torch.int8)).long()
                      if kind == "random" else torch.full((numel,), levels if kind == "max" else -levels))
     return payloads, torch.stack(codes).sum(0), s, scale
 

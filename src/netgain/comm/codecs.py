@@ -67,6 +67,11 @@ class Context:
             self.tables[key] = build()
         return self.tables[key]
 
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A payload or scratch tensor kept with the bucket layout and reused every step: fresh memory
+        costs a page fault per page on CPU (more than the codec's arithmetic) and a sync point on CUDA."""
+        return self.table(("buffer", name, numel, dtype), lambda: torch.empty(numel, dtype=dtype, device=device))
+
 
 class Codec:
     name: ClassVar[str]
@@ -137,7 +142,7 @@ class Cast(Codec):
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            return fused.cast_scaled(x, 1.0 / ctx.world_size, self.dtype)
+            return fused.cast_scaled(ctx.buffer("payload", x.numel(), self.dtype, x.device), x, 1.0 / ctx.world_size)
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
@@ -184,19 +189,23 @@ class GlobalQSGD(Codec):
             levels, s = self.levels(ctx.world_size), ctx.segments
             multiplier = levels / ctx.scales
             if self.encoding == "int8":
-                return fused.round_int8(x, s.seg, s.starts, multiplier, ctx.noise_keys, levels)
+                return fused.round_int8(x, s, multiplier, ctx.noise_keys, levels,
+                                        ctx.buffer("codes", x.numel(), torch.int8, x.device))
             dtype, width, per_word = Q.word_layout(levels, ctx.world_size)
-            return fused.round_packed(x, s.seg, s.starts, multiplier, ctx.noise_keys, levels, per_word, width,
-                                      dtype == torch.int64)
+            words = -(-x.numel() // per_word)
+            codes = ctx.table(("padded codes", per_word, levels), lambda: torch.full(
+                (per_word * words,), -levels, dtype=torch.int8, device=x.device))  # the padding stays -levels
+            fused.round_int8(x, s, multiplier, ctx.noise_keys, levels, codes[: x.numel()])
+            return fused.pack(ctx.buffer("words", words, dtype, x.device), codes, levels, width)
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
             n, levels, s = ctx.world_size, self.levels(ctx.world_size), ctx.segments
             factor = ctx.scales / (levels * n)
             if self.encoding == "int8":
-                return fused.scale_into(out, aggregated, s.seg, factor)
-            _, width, per_word = Q.word_layout(levels, n)
-            return fused.unpack_scale_into(out, aggregated, s.seg, factor, n * levels, per_word, width)
+                return fused.scale_into(out, aggregated, s, factor)
+            _, width, _ = Q.word_layout(levels, n)
+            return fused.unpack_scale_into(out, aggregated, s, factor, n * levels, width)
 
 
 class Int8Codes(Codec):
@@ -226,8 +235,10 @@ class QSGD(Int8Codes):
             s = ctx.segments
             own = s.absmax(x)
             own = torch.where(own > 0, own, torch.ones_like(own))
-            codes = fused.round_int8(x, s.seg, s.starts, self.levels / own, ctx.noise_keys, self.levels)
-            return torch.cat([codes, own.view(torch.int8)])
+            payload = ctx.buffer("payload", x.numel() + 4 * s.count, torch.int8, x.device)
+            fused.round_int8(x, s, self.levels / own, ctx.noise_keys, self.levels, payload[: x.numel()])
+            payload[x.numel():] = own.view(torch.int8)
+            return payload
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
@@ -265,7 +276,7 @@ class GlobalQSGDExp(Int8Codes):
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
             top = Q.exp_top_exponent(ctx.world_size)
-            return fused.scale_into(out, Q.exp_decode(aggregated, top), ctx.segments.seg,
+            return fused.scale_into(out, Q.exp_decode(aggregated, top), ctx.segments,
                                     ctx.scales / ctx.world_size)
 
 
@@ -510,14 +521,17 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     """
     network.check_world(world_size)
     wire_bits = codec.wire_bits(world_size)
-    header = network.HEADER_BYTES if codec.needs_header else 0
+    # the hook's header: one allreduce MAX of (P + 3) float32 per bucket of P parameters (hooks._header)
+    header, per_tensor = ((network.HEADER_FLAG_BYTES, network.HEADER_BYTES_PER_TENSOR) if codec.needs_header
+                          else (0, 0))
     name = codec.describe()
     if isinstance(cost, GPU):
         enc, dec, comb = network.memory_bound_cost(wire_bits, codec.collective, world_size,
                                                    codec.needs_scales, cost.memory_bandwidth)
-        return network.CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb)
+        return network.CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb,
+                                    header_bytes_per_tensor=per_tensor)
     if cost == "free":
-        return network.CodecProfile(name, wire_bits, codec.collective, header)
+        return network.CodecProfile(name, wire_bits, codec.collective, header, header_bytes_per_tensor=per_tensor)
     if cost != "calibrate":
         raise ValueError(f"cost: must be a GPU or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
     numel = calibration_numel or max(2**14, 2**22 // world_size)
@@ -528,7 +542,8 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     finally:
         torch.set_num_threads(previous)
     enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
-    return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel)
+    return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel,
+                                header_bytes_per_tensor=per_tensor)
 
 
 def candidate_profiles(world_size: int, cost: "str | GPU") -> list[tuple[network.CodecProfile, bool]]:

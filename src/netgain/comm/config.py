@@ -96,12 +96,15 @@ class KimadConfig:
 
     mode: "kimad" (one option for all buckets) or "kimad+" (a knapsack per bucket). budget_ms:
     the time target per step (None: the measured backward time, so communication hides under it).
+    max_error: an option is admissible only if the error it adds to the averaged gradient is at
+    most this fraction of the gradient's energy (what keeps the plan from collapsing onto top-k).
     """
     mode: str = "kimad+"
     budget_ms: float | None = None
     replan_every: int = 10
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
     topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1)
+    max_error: float = 0.05
 
     def __post_init__(self):
         if self.budget_ms is not None and not 0 < self.budget_ms < float("inf"):
@@ -110,7 +113,8 @@ class KimadConfig:
 
     def build(self):
         return AdaptivePlanner(self.mode, time_budget_s=None if self.budget_ms is None else self.budget_ms / 1e3,
-                               replan_every=self.replan_every, bits=self.bits, topk_ratios=self.topk_ratios)
+                               replan_every=self.replan_every, bits=self.bits, topk_ratios=self.topk_ratios,
+                               max_error=self.max_error)
 
 
 CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,

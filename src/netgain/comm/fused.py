@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 COMPILE_MODES = ("auto", "1", "0")
-BLOCK = 1024  # elements per block of the segmented max (blocks inside one parameter reduce densely)
+ROW = 1024  # elements per row of a bucket's segment table (Segments)
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
 
 
@@ -99,114 +99,193 @@ def step_keys(keys: torch.Tensor, seed: int, step: int, rank: int) -> torch.Tens
 
 @dataclass
 class Segments:
-    """Where each parameter lies in a flat bucket; built once per DDP bucket layout."""
+    """Where each parameter lies in a flat bucket; built once per DDP bucket layout.
+
+    The bucket's head is seen as rows of ROW elements. A row holds at most two parameters in
+    almost every bucket: the first up to column `split`, the second from there. Kernels read such
+    a row's per-parameter values once per row (a broadcast the compiler vectorises) instead of
+    gathering them per element. The few rows that cut three or more parameters, and the tail
+    after the last whole row, are `fix`: those elements go through the per-element path.
+    """
 
     numel: int
     starts: torch.Tensor       # int32 (P,) first element of each parameter
     sizes: torch.Tensor        # int64 (P,)
     keys: torch.Tensor         # int32 (P,) name_key of each parameter
     seg: torch.Tensor          # int32 (numel,) segment id of every element
-    block_owner: torch.Tensor  # int64 (numel // BLOCK,) the parameter a whole block lies in, else P
-    edge_index: torch.Tensor   # int64: elements of blocks shared by parameters, and of the tail
-    edge_seg: torch.Tensor     # int64: their segment ids
+    first: torch.Tensor        # int64 (rows,) a row's first parameter (P in a fix row)
+    second: torch.Tensor       # int64 (rows,) the parameter from column `split` on (P in a fix row)
+    split: torch.Tensor        # int32 (rows,) first column of `second` (ROW when the row has one parameter)
+    base_first: torch.Tensor   # int32 (rows,) index inside `first` of the row's column 0
+    base_second: torch.Tensor  # int32 (rows,) index inside `second` of the row's column 0
+    fix: torch.Tensor          # int64: elements of rows with three or more parameters, and of the tail
+    fix_seg: torch.Tensor      # int64: their segment ids
+    column: torch.Tensor       # int32 (ROW,) 0..ROW-1: a loaded column index vectorises, an in-kernel arange does not
 
     @property
     def count(self) -> int:
         return self.starts.numel()
+
+    @property
+    def rows(self) -> int:
+        return self.first.numel()
 
     @classmethod
     def build(cls, sizes: list[int], keys: list[int], device) -> "Segments":
         sizes_t = torch.tensor(sizes, dtype=torch.int64, device=device)
         ends = sizes_t.cumsum(0)
         starts = ends - sizes_t
-        numel = int(ends[-1])
-        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device, dtype=torch.int32), sizes_t)
-        blocks = numel // BLOCK
-        first = seg[: blocks * BLOCK].view(blocks, BLOCK)
-        whole = first[:, 0] == first[:, -1]
-        owner = torch.where(whole, first[:, 0].long(), torch.full_like(whole, len(sizes), dtype=torch.int64))
-        shared = (~whole).repeat_interleave(BLOCK)
-        edge_index = torch.cat([shared.nonzero().flatten(),
-                                torch.arange(blocks * BLOCK, numel, device=device)])
-        return cls(numel, starts.to(torch.int32), sizes_t,
-                   torch.tensor(keys, dtype=torch.int32, device=device), seg, owner,
-                   edge_index, seg[edge_index].long())
+        numel, count = int(ends[-1]), len(sizes)
+        seg = torch.repeat_interleave(torch.arange(count, device=device, dtype=torch.int32), sizes_t)
+        rows = numel // ROW
+        head = seg[: rows * ROW].view(rows, ROW).long()
+        a, b = head[:, 0], head[:, -1]
+        two = b - a <= 1
+        origin = torch.arange(rows, device=device) * ROW
+        fix_rows = (~two).repeat_interleave(ROW)
+        fix = torch.cat([fix_rows.nonzero().flatten(), torch.arange(rows * ROW, numel, device=device)])
+        dummy = torch.full_like(a, count)
+        return cls(numel, starts.to(torch.int32), sizes_t, torch.tensor(keys, dtype=torch.int32, device=device), seg,
+                   first=torch.where(two, a, dummy), second=torch.where(two, b, dummy),
+                   split=torch.where(two & (b > a), starts[b] - origin, ROW).to(torch.int32),
+                   base_first=(origin - starts[a]).to(torch.int32), base_second=(origin - starts[b]).to(torch.int32),
+                   fix=fix, fix_seg=seg[fix].long(), column=torch.arange(ROW, device=device, dtype=torch.int32))
+
+    def per_row(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A per-parameter table as (first, second) per row: two gathers of `rows` entries (0 in fix rows)."""
+        padded = F.pad(values, (0, 1))
+        return padded[self.first], padded[self.second]
 
     def absmax(self, x: torch.Tensor) -> torch.Tensor:
-        """max |x| of every parameter (NaN and Inf propagate): dense block maxima plus the shared blocks."""
+        """max |x| of every parameter (NaN and Inf propagate): two maxima per row plus the fix elements."""
         out = torch.zeros(self.count + 1, dtype=torch.float32, device=x.device)
-        blocks = self.block_owner.numel()
-        if blocks:
-            out.scatter_reduce_(0, self.block_owner, _block_absmax(x[: blocks * BLOCK]), "amax")
-        out.scatter_reduce_(0, self.edge_seg, x[self.edge_index].abs().float(), "amax")
+        if self.rows:
+            high = _row_absmax(_rows(x, self), self.split, self.column)
+            out.scatter_reduce_(0, self.first, high[:, 0], "amax")
+            out.scatter_reduce_(0, self.second, high[:, 1], "amax")
+        out.scatter_reduce_(0, self.fix_seg, x[self.fix].abs().float(), "amax")
         return out[:-1]
 
 
 @kernel
-def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    return x.view(-1, BLOCK).abs().amax(1).float()
+def _row_absmax(x2d, split, column) -> torch.Tensor:
+    second = column >= split[:, None]
+    a = x2d.abs().float()
+    zero = torch.zeros((), dtype=torch.float32, device=x2d.device)
+    return torch.stack([torch.where(second, zero, a).amax(1), torch.where(second, a, zero).amax(1)], 1)
 
 
 # ---- stochastic rounding against per-parameter scales ---------------------------------------
 
 
-def _rounded(x, seg, starts, multiplier, noise_keys, levels: int):
-    """Unbiased integer codes of x * multiplier[param] in [-levels, levels], as float."""
-    index = torch.arange(x.numel(), device=x.device, dtype=torch.int32)
-    s = seg.long()
-    u = uniform((index - starts[s]) ^ noise_keys[s])
-    q = x.float() * multiplier[s]
+def _round(x, inside, multiplier, key, levels: int):
+    """Unbiased integer codes of x * multiplier in [-levels, levels], as float; `inside`: each
+    element's index inside its parameter, the counter of its noise."""
+    u = uniform(inside ^ key)
+    q = x.float() * multiplier
     low = torch.floor(q)
     return (low + (u < q - low).float()).clamp(-levels, levels)
 
 
 @kernel
-def round_int8(x, seg, starts, multiplier, noise_keys, levels: int) -> torch.Tensor:
-    return _rounded(x, seg, starts, multiplier, noise_keys, levels).to(torch.int8)
+def _round_rows(out2d, x2d, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
+                levels: int) -> torch.Tensor:
+    second = column >= split[:, None]  # the element lies in the row's second parameter
+    inside = torch.where(second, base_second[:, None], base_first[:, None]) + column
+    return out2d.copy_(_round(x2d, inside, torch.where(second, mult_second[:, None], mult_first[:, None]),
+                              torch.where(second, key_second[:, None], key_first[:, None]), levels))
 
 
 @kernel
-def round_packed(x, seg, starts, multiplier, noise_keys, levels: int, per_word: int, width: int,
-                 wide: bool) -> torch.Tensor:
-    """Offset codes in [0, 2 levels], `per_word` fields of `width` bits per int32 (int64 if wide) word.
+def _round_elements(x, index, seg, starts, multiplier, noise_keys, levels: int) -> torch.Tensor:
+    return _round(x, index.to(torch.int32) - starts[seg], multiplier[seg], noise_keys[seg], levels).to(torch.int8)
 
-    One field at a time over a (words, per_word) view: the compiler fuses the fields into one pass
-    (a reduction over the small axis compiles badly on CPU).
-    """
-    pad = -x.numel() % per_word
-    xs, segs = F.pad(x, (0, pad)).view(-1, per_word), F.pad(seg, (0, pad), value=0).view(-1, per_word)
-    first = torch.arange(xs.shape[0], device=x.device, dtype=torch.int32) * per_word
-    dtype = torch.int64 if wide else torch.int32
+
+def round_int8(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_keys: torch.Tensor, levels: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """``out`` (int8, numel) = codes in [-levels, levels] of x * multiplier[param], stochastically rounded."""
+    if s.rows:
+        (m1, m2), (k1, k2) = s.per_row(multiplier), s.per_row(noise_keys)
+        _round_rows(_rows(out, s), _rows(x, s), s.split, s.column, s.base_first, s.base_second, m1, m2, k1, k2, levels)
+    if s.fix.numel():
+        out[s.fix] = _round_elements(x[s.fix], s.fix, s.fix_seg, s.starts, multiplier, noise_keys, levels)
+    return out
+
+
+def _rows(t: torch.Tensor, s: Segments) -> torch.Tensor:
+    return t[: s.rows * ROW].view(s.rows, ROW)
+
+
+@kernel
+def pack(out, codes, levels: int, width: int) -> torch.Tensor:
+    """Offset codes (code + levels, in [0, 2 levels]) as the planar fields of `width` bits of ``out``'s
+    words (codes: per_word x W, padded with -levels); every field is read from one contiguous slice."""
+    fields = codes.view(-1, out.numel())
     words = None
-    for j in range(per_word):
-        s = segs[:, j].long()
-        u = uniform((first + j - starts[s]) ^ noise_keys[s])
-        q = xs[:, j].float() * multiplier[s]
-        low = torch.floor(q)
-        field = ((low + (u < q - low).float()).clamp(-levels, levels) + levels).to(dtype) << (width * j)
+    for j in range(fields.shape[0]):
+        field = (fields[j].to(out.dtype) + levels) << (width * j)
         words = field if words is None else words | field
-    return words
+    return out.copy_(words)
 
 
 @kernel
-def scale_into(out, codes, seg, factor) -> torch.Tensor:
+def _unpack_rows(out2d, words2d, shift: int, mask: int, offset: int, split, column, factor_first,
+                 factor_second) -> torch.Tensor:
+    sums = ((words2d >> shift) & mask).to(torch.int32) - offset
+    return out2d.copy_(sums.float() * torch.where(column >= split[:, None], factor_second[:, None],
+                                                  factor_first[:, None]))
+
+
+def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, factor: torch.Tensor, offset: int,
+                      width: int) -> torch.Tensor:
+    """out = (summed field - offset) * factor[param] from planar packed words, into the bucket's buffer.
+
+    A field, a sum of n codes, fits 31 bits: int32 from there on. Field j's elements [jW, (j+1)W)
+    are decoded row-wise (one pass per field, per_word <= 10); the rows that two fields share go
+    with the fix elements, one element at a time.
+    """
+    mask, total = (1 << width) - 1, words.numel()
+    per_word = -(-s.numel // total)
+    shared = []
+    if s.rows:
+        f1, f2, out2d = *s.per_row(factor), _rows(out, s)
+        for j in range(per_word):
+            first, last = -(-j * total // ROW), min((j + 1) * total, s.rows * ROW) // ROW  # rows inside field j
+            if last > first:
+                begin = first * ROW - j * total
+                _unpack_rows(out2d[first:last], words[begin: begin + (last - first) * ROW].view(-1, ROW), width * j,
+                             mask, offset, s.split[first:last], s.column, f1[first:last], f2[first:last])
+            if j and (j * total) % ROW and (j * total) // ROW < s.rows:
+                shared.append((j * total) // ROW)
+    index = s.fix
+    if shared:
+        rows = torch.tensor(shared, device=out.device)
+        index = torch.cat([index, (rows[:, None] * ROW + s.column).flatten()])
+    if index.numel():
+        sums = ((words[index % total] >> (index // total * width)) & mask) - offset
+        out[index] = (sums.float() * factor[s.seg[index].long()]).to(out.dtype)
+    return out
+
+
+@kernel
+def _scale_rows(out2d, codes2d, split, column, factor_first, factor_second) -> torch.Tensor:
+    return out2d.copy_(codes2d.float() * torch.where(column >= split[:, None], factor_second[:, None],
+                                                     factor_first[:, None]))
+
+
+def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torch.Tensor) -> torch.Tensor:
     """out = codes * factor[param], written into the bucket's own buffer (decode in place)."""
-    out.copy_(codes.float() * factor[seg.long()])
+    if s.rows:
+        f1, f2 = s.per_row(factor)
+        _scale_rows(_rows(out, s), _rows(codes, s), s.split, s.column, f1, f2)
+    if s.fix.numel():
+        out[s.fix] = (codes[s.fix].float() * factor[s.fix_seg]).to(out.dtype)
     return out
 
 
 @kernel
-def unpack_scale_into(out, words, seg, factor, offset: int, per_word: int, width: int) -> torch.Tensor:
-    """out = (field sums - offset) * factor[param], from summed packed words, into the bucket's buffer."""
-    mask = (1 << width) - 1  # a field (a sum of n codes) fits 31 bits: int32 from here on
-    fields = torch.stack([((words >> (width * j)) & mask).to(torch.int32) for j in range(per_word)], dim=1)
-    out.copy_((fields.view(-1)[: out.numel()] - offset).float() * factor[seg.long()])
-    return out
-
-
-@kernel
-def cast_scaled(x, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    return (x * scale).to(dtype)
+def cast_scaled(out, x, scale: float) -> torch.Tensor:
+    return out.copy_(x * scale)
 
 
 @kernel

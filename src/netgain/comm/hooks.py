@@ -95,6 +95,10 @@ class CommState:
     def describe(self) -> str:
         return self.chooser.describe()
 
+    def forward_done(self) -> None:
+        """The forward pass ended: the statistics' `backward_s` is measured from here (a forward hook calls it)."""
+        self._forward_end = time.perf_counter()
+
     # ---- the hook, on DDP's autograd thread ----------------------------------------------------
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer()
@@ -221,8 +225,9 @@ class CommState:
         ctx = Context(n, segments, fused.step_keys(segments.keys, self.config.seed, self.step, communicator.rank),
                       fused.step_keys(segments.keys, self.config.seed, self.step, -1), tables=layout.tables)
         uncompressed = isinstance(codec, NoCompression)
-        # EF21 state: touched by EF21 codecs, and restarted exact by uncompressed steps of an EF21 chooser
-        feedback = codec.uses_feedback or (uncompressed and self.chooser.uses_feedback)
+        # EF21 state: touched by EF21 codecs; an EF21 chooser's other steps (none, gqsgd) restart it from
+        # their local gradient and decoded mean (exact uncompressed, one unbiased rounding otherwise)
+        feedback = codec.uses_feedback or self.chooser.uses_feedback
         if feedback:
             ctx.feedback = self.store.feedback_for(layout, x.device)
         checked = codec.needs_header or self.chooser.checked or (
@@ -236,7 +241,7 @@ class CommState:
             job["verdict"].set_result(None)
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
             self.chooser.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
-        local_grad = x.clone() if uncompressed and feedback else None  # EF21 restarts exact
+        local_grad = x.clone() if feedback and not codec.uses_feedback else None  # EF21 restarts here
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
@@ -446,7 +451,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "Comm
     if dist.get_world_size(group) > 1:
         state.check_config(group)
     ddp_model.register_comm_hook(state, hook)
-    ddp_model.module.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
+    ddp_model.module.register_forward_hook(lambda *_: state.forward_done())
     return state
 
 
