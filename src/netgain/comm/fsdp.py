@@ -23,7 +23,6 @@ FSDP's post-backward: FSDP reads the gradients right after it returns.
 from __future__ import annotations
 
 import pickle
-import time
 
 import torch
 import torch.distributed as dist
@@ -120,7 +119,7 @@ def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "
             continue
         state._groups[index] = param_group.fsdp_params
         module.set_all_reduce_hook(lambda flat, index=index: state.reduce(index, flat))
-    model.register_forward_hook(lambda *_: setattr(state, "_forward_end", time.perf_counter()))
+    model.register_forward_hook(lambda *_: state.forward_done())
     return state
 
 
