@@ -260,8 +260,10 @@ class CommState:
                     out = codec.decode(sent.value(), x, ctx)
                     if exact is not None:
                         out[layout.exact_index] = exact.value()
-                    if not checked and not bool(torch.isfinite(out).all()):
-                        # NaN/Inf reach every rank through the float SUM, so every rank raises here
+                    if not checked and not bool(out.sum().isfinite()):
+                        # NaN/Inf reach every rank through the float SUM, so every rank raises here. The
+                        # bucket's sum is non-finite whenever an element is (also if finite values sum past
+                        # the float range), and needs no bucket-sized bool tensor
                         self._nonfinite_error(index, layout, None, policy="raise")
                     if local_grad is not None:
                         ctx.feedback.sync(local_grad, out)
