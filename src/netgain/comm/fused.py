@@ -178,6 +178,11 @@ def _row_absmax(x2d, split, column) -> torch.Tensor:
 # ---- stochastic rounding against per-parameter scales ---------------------------------------
 
 
+def _pick(second, first_values, second_values):
+    """Each element's value from its row's (first, second) pair: one broadcast per row, no gather."""
+    return torch.where(second, second_values[:, None], first_values[:, None])
+
+
 def _round(x, inside, multiplier, key, levels: int):
     """Unbiased integer codes of x * multiplier in [-levels, levels], as float; `inside`: each
     element's index inside its parameter, the counter of its noise."""
@@ -191,9 +196,8 @@ def _round(x, inside, multiplier, key, levels: int):
 def _round_rows(out2d, x2d, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
                 levels: int) -> torch.Tensor:
     second = column >= split[:, None]  # the element lies in the row's second parameter
-    inside = torch.where(second, base_second[:, None], base_first[:, None]) + column
-    return out2d.copy_(_round(x2d, inside, torch.where(second, mult_second[:, None], mult_first[:, None]),
-                              torch.where(second, key_second[:, None], key_first[:, None]), levels))
+    return out2d.copy_(_round(x2d, _pick(second, base_first, base_second) + column,
+                              _pick(second, mult_first, mult_second), _pick(second, key_first, key_second), levels))
 
 
 @kernel
@@ -232,8 +236,7 @@ def pack(out, codes, levels: int, width: int) -> torch.Tensor:
 def _unpack_rows(out2d, words2d, shift: int, mask: int, offset: int, split, column, factor_first,
                  factor_second) -> torch.Tensor:
     sums = ((words2d >> shift) & mask).to(torch.int32) - offset
-    return out2d.copy_(sums.float() * torch.where(column >= split[:, None], factor_second[:, None],
-                                                  factor_first[:, None]))
+    return out2d.copy_(sums.float() * _pick(column >= split[:, None], factor_first, factor_second))
 
 
 def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, factor: torch.Tensor, offset: int,
@@ -269,8 +272,7 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
 
 @kernel
 def _scale_rows(out2d, codes2d, split, column, factor_first, factor_second) -> torch.Tensor:
-    return out2d.copy_(codes2d.float() * torch.where(column >= split[:, None], factor_second[:, None],
-                                                     factor_first[:, None]))
+    return out2d.copy_(codes2d.float() * _pick(column >= split[:, None], factor_first, factor_second))
 
 
 def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torch.Tensor) -> torch.Tensor:
