@@ -51,7 +51,8 @@ def nan_on_rank_one(rank, world_size, policy, codec="gqsgd"):
         state.close()  # the buckets after the failing one still complete on every rank
 
 
-@pytest.mark.parametrize("world_size,codec", [(2, "gqsgd"), (3, "gqsgd"), (2, "topk"), (3, "fp16"), (2, "none")])
+@pytest.mark.parametrize("world_size,codec", [(2, "gqsgd"), (3, "gqsgd"), (2, "topk"), (3, "fp16"), (2, "none"),
+                                              (2, "lowrank")])
 def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec):
     results = run(nan_on_rank_one, world_size, "raise", codec)
     assert all(status == "error" and message.startswith("NonFiniteGradientError: ") and "b" in message
@@ -164,7 +165,7 @@ def mode_run(rank, world_size, codec, mode):
         state.close()
 
 
-@pytest.mark.parametrize("codec", ["gqsgd", "topk"])
+@pytest.mark.parametrize("codec", ["gqsgd", "topk", "lowrank"])
 @pytest.mark.parametrize("mode", ["find_unused_parameters", "static_graph", "no_sync", "bf16"])
 def test_ddp_modes_work(codec, mode):
     results = run(mode_run, 2, codec, mode)
@@ -237,7 +238,7 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
 
 # the ring of gqsgd-exp cuts chunks across parameters, so its rounding noise follows DDP's bucket
 # layout, which differs in the first step after a restart: it resumes statistically, not bitwise
-RESUMABLE = ["topk", "randomk", "gqsgd", "qsgd"]
+RESUMABLE = ["topk", "randomk", "gqsgd", "qsgd", "lowrank"]
 
 
 def train_each(rank, world_size, steps, saved=None):

@@ -10,11 +10,12 @@ from . import baselines
 from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
 from .codecs import CODEC_NAMES as FIXED_CODEC_NAMES, Codec, codec_profile, make_codec, time_codec
 from .config import (CODEC_NAMES, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig, KimadConfig,
-                     NoCompressionConfig, QSGDConfig, RandomKConfig, TopKConfig, codec_config, comm_config)
+                     LowRankConfig, NoCompressionConfig, QSGDConfig, RandomKConfig, TopKConfig, codec_config,
+                     comm_config)
 from .hooks import CommState, NonFiniteGradientError, PlanMismatchError, hook, register
 
 __all__ = ["ADAPTIVE_MODES", "AdaptivePlanner", "CODEC_NAMES", "FIXED_CODEC_NAMES", "CastConfig", "Codec",
-           "CommConfig", "CommState", "GlobalQSGDConfig", "GlobalQSGDExpConfig", "KimadConfig",
+           "CommConfig", "CommState", "GlobalQSGDConfig", "GlobalQSGDExpConfig", "KimadConfig", "LowRankConfig",
            "NoCompressionConfig", "NonFiniteGradientError", "PlanMismatchError", "QSGDConfig", "RandomKConfig",
            "TopKConfig", "codec_config", "codec_profile", "comm_config", "hook", "make_codec", "register",
            "time_codec"]

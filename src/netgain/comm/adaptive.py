@@ -59,7 +59,7 @@ class AdaptivePlanner:
         self.replan_every, self.replan_threshold, self.max_error = replan_every, replan_threshold, max_error
         self.options: list[Codec] = ([NoCompression()] + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)])
-        self.uses_feedback = any(option.uses_feedback for option in self.options)
+        self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 (top-k)
         self.monitor = monitor or BandwidthMonitor()
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
         self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error of the mean per option

@@ -51,6 +51,8 @@ class Context:
     feedback: EF21 | None = None
     tables: dict = field(default_factory=dict)  # per bucket layout: a codec's own index tables
     sent: tuple | None = None            # what this rank sent, for EF21
+    layout: "BucketLayout | None" = None  # names, spans and shapes of the bucket's parameters
+    carry: dict = field(default_factory=dict)  # a multi-round codec's work from one round to the next
     seconds: dict = field(default_factory=lambda: {"encode_s": 0.0, "decode_s": 0.0})
     synchronize: bool = False            # wait for the device before reading the clock (benchmarks only)
 
@@ -95,9 +97,25 @@ class Codec:
     def encode(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         raise NotImplementedError
 
+    def rounds(self, ctx: Context) -> int:
+        """Collectives per bucket after the header; more than one: `relay` makes each next payload."""
+        return 1
+
+    def relay(self, aggregated: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, "dist.ReduceOp"]:
+        """Multi-round codecs: the next round's payload and its allreduce op, from the last round's result."""
+        raise NotImplementedError
+
     def decode(self, aggregated: torch.Tensor, out: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Write the mean over workers into ``out`` (the bucket's buffer) and return it."""
         raise NotImplementedError
+
+    def memory(self, layout, device) -> tuple[EF21, list[tuple[int, int]]]:
+        """State kept across steps per bucket layout (codecs with uses_feedback), and each parameter's
+        span in its shared buffer. EF21: g_i and g, both the size of the gradient."""
+        return EF21(layout.segments.numel, device), layout.spans
+
+    def fill_shared(self, name: str, shared: torch.Tensor) -> None:
+        """A parameter's fresh shared state (no earlier layout, no checkpoint): EF21's starts at zero."""
 
     def params(self) -> dict:
         """The parameters that define the codec (compared across ranks, shown in records)."""
@@ -410,7 +428,7 @@ class FixedChoice:
 
     def __init__(self, codec: Codec):
         self.codec = codec
-        self.uses_feedback = codec.uses_feedback
+        self.memory_codec = codec if codec.uses_feedback else None  # whose state the store keeps (None: stateless)
 
     def attach(self, communicator) -> None:
         pass
@@ -438,15 +456,18 @@ class FixedChoice:
 
 
 def _factories():
+    from .lowrank import LowRank  # lowrank builds on this module's codecs
+
     return {
-        "none": lambda bits, encoding, ratio: NoCompression(),
-        "fp16": lambda bits, encoding, ratio: Cast("fp16", torch.float16),
-        "bf16": lambda bits, encoding, ratio: Cast("bf16", torch.bfloat16),
-        "qsgd": lambda bits, encoding, ratio: QSGD(bits),
-        "gqsgd": lambda bits, encoding, ratio: GlobalQSGD(bits, encoding),
-        "gqsgd-exp": lambda bits, encoding, ratio: GlobalQSGDExp(bits),
-        "topk": lambda bits, encoding, ratio: TopK(ratio),
-        "randomk": lambda bits, encoding, ratio: RandomK(ratio),
+        "none": lambda p: NoCompression(),
+        "fp16": lambda p: Cast("fp16", torch.float16),
+        "bf16": lambda p: Cast("bf16", torch.bfloat16),
+        "qsgd": lambda p: QSGD(p["bits"]),
+        "gqsgd": lambda p: GlobalQSGD(p["bits"], p["encoding"]),
+        "gqsgd-exp": lambda p: GlobalQSGDExp(p["bits"]),
+        "topk": lambda p: TopK(p["ratio"]),
+        "randomk": lambda p: RandomK(p["ratio"]),
+        "lowrank": lambda p: LowRank(p["rank"], p["factors"], p["bits"]),
     }
 
 
@@ -457,12 +478,14 @@ SETTINGS = (("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("g
             ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}))
 
 
-def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: float = 0.01) -> Codec:
+def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: float = 0.01, rank: int = 4,
+               factors: str = "gqsgd") -> Codec:
     """Build a codec by name; parameters a codec does not use are ignored."""
     factories = _factories()
     if name not in factories:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
-    return factories[name](check_bits(bits), encoding, ratio)
+    return factories[name]({"bits": check_bits(bits), "encoding": encoding, "ratio": ratio, "rank": rank,
+                            "factors": factors})
 
 
 def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,

@@ -19,6 +19,7 @@ import torch
 
 from .adaptive import AdaptivePlanner
 from .codecs import Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK
+from .lowrank import LowRank
 
 NONFINITE_POLICIES = ("raise", "uncompressed")
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,6 +92,15 @@ class RandomKConfig(_FixedConfig):
 
 
 @dataclass(frozen=True)
+class LowRankConfig(_FixedConfig):
+    """PowerSGD-style rank-r factors with error feedback; factors in fp32 or as Global-QSGD codes."""
+    rank: int = 4
+    factors: str = "gqsgd"
+    bits: int = 8
+    codec: ClassVar[type] = LowRank
+
+
+@dataclass(frozen=True)
 class KimadConfig:
     """Kimad: re-plan each bucket's codec to fit a communication time budget at the measured bandwidth.
 
@@ -118,10 +128,10 @@ class KimadConfig:
 
 
 CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
-                    TopKConfig, RandomKConfig, KimadConfig]
+                    TopKConfig, RandomKConfig, LowRankConfig, KimadConfig]
 CODEC_CONFIGS = {"none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastConfig, "qsgd": QSGDConfig,
                  "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,
-                 "randomk": RandomKConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
+                 "randomk": RandomKConfig, "lowrank": LowRankConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
 CODEC_NAMES = tuple(CODEC_CONFIGS)
 
 

@@ -1,4 +1,4 @@
-"""EF21 error feedback (Richtárik et al. 2021) for the biased sparsifiers.
+"""Error feedback: EF21 (Richtárik et al. 2021) for the biased sparsifiers, and low rank's residual.
 
 Each worker keeps its own estimate g_i of its gradient and all workers keep the same g, the
 mean of the g_i. A step sends only c_i = C(grad_i - g_i); then g_i += c_i and g += mean_i(c_i).
@@ -28,3 +28,16 @@ class EF21:
         """After an uncompressed step both estimates are exact."""
         self.local.copy_(grad)
         self.shared.copy_(mean)
+
+
+class LowRankMemory:
+    """A rank's residual e_i (what the low-rank mean missed, per gradient element) and the warm-start
+    Q of every compressed matrix (identical on every rank), flat over one bucket layout."""
+
+    def __init__(self, numel: int, warm_numel: int, device):
+        self.local = torch.zeros(numel, device=device)
+        self.shared = torch.zeros(warm_numel, device=device)
+
+    def sync(self, grad: torch.Tensor, mean: torch.Tensor) -> None:
+        """After an uncompressed step nothing is left behind (the warm start stays)."""
+        self.local.zero_()

@@ -8,7 +8,8 @@ returns a future at once. That thread, in bucket order, runs each bucket's small
 allreduce (per-parameter max |g|, a non-finite flag, the plan signature), encodes the bucket in
 one fused pass and LAUNCHES its payload collective asynchronously, then moves on to the next
 bucket: encoding bucket k+1 overlaps bucket k on the wire. The payload's future decodes straight
-into the bucket's buffer (`.then`). Issuing every collective from that one thread, on the hook's
+into the bucket's buffer (`.then`). A multi-round codec (low rank: P, then Q from P's mean) waits
+for each earlier round on that thread, so every collective still leaves in the same order. Issuing every collective from that one thread, on the hook's
 own process group, keeps their order identical on every rank. On CUDA the work runs on a side
 stream that waits on an event of the backward's stream, never synchronising it. A fixed codec with
 no header (none, fp16, bf16, qsgd) has nothing to wait for before its one collective, so the hook
@@ -223,13 +224,14 @@ class CommState:
                                   "raw_bytes": x.numel() * x.element_size(), "comm_s": 0.0}
         segments = layout.segments
         ctx = Context(n, segments, fused.step_keys(segments.keys, self.config.seed, self.step, communicator.rank),
-                      fused.step_keys(segments.keys, self.config.seed, self.step, -1), tables=layout.tables)
+                      fused.step_keys(segments.keys, self.config.seed, self.step, -1), tables=layout.tables,
+                      layout=layout)
         uncompressed = isinstance(codec, NoCompression)
-        # EF21 state: touched by EF21 codecs; an EF21 chooser's other steps (none, gqsgd) restart it from
-        # their local gradient and decoded mean (exact uncompressed, one unbiased rounding otherwise)
-        feedback = codec.uses_feedback or self.chooser.uses_feedback
+        # Error-feedback state (EF21, low rank's residual): touched by the codecs that keep it; a stateful
+        # chooser's other steps (none, gqsgd) restart it from their local gradient and decoded mean
+        feedback = self.chooser.memory_codec is not None
         if feedback:
-            ctx.feedback = self.store.feedback_for(layout, x.device)
+            ctx.feedback = self.store.feedback_for(layout, x.device, self.chooser.memory_codec)
         checked = codec.needs_header or self.chooser.checked or (
             self.config.nonfinite == "uncompressed" and not uncompressed)
         if checked:
@@ -251,6 +253,9 @@ class CommState:
         record["t_launch"] = time.perf_counter()
         sent = communicator.start(codec.collective, payload, record,
                                   combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
+        for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
+            payload, op = codec.relay(sent.wait(), ctx)
+            sent = communicator.start("allreduce", payload, record, op=op)
         pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 
         def finish(_):

@@ -4,7 +4,8 @@
 its buckets after the first step): the parameters' names and spans, the Segments table of the
 fused codecs, the 1-D spans sent exact (skip_1d), and the codecs' own index tables.
 
-`StateStore` holds what persists across steps: EF21 buffers. They live flat per bucket layout,
+`StateStore` holds what persists across steps: EF21 buffers, or low rank's residual and warm
+start (the codec's `memory`). They live flat per bucket layout,
 and the store keeps a view per parameter name, so a new layout takes them over parameter by
 parameter and a checkpoint names parameters, not buckets. Randomness is counter-based (fused.py),
 so no RNG state exists to store.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .feedback import EF21
+from .feedback import EF21, LowRankMemory
 from .fused import Segments, name_key
 
 FORMAT = "netgain.comm/2"
@@ -30,21 +31,23 @@ class BucketLayout:
     segments: Segments
     exact_index: torch.Tensor | None = None  # elements of the parameters sent exact (skip_1d)
     tables: dict = field(default_factory=dict)
-    feedback: EF21 | None = None
+    feedback: "EF21 | LowRankMemory | None" = None
+    shapes: list[tuple[int, ...]] | None = None  # each parameter's shape (low-rank codecs need it)
 
     @classmethod
     def of(cls, bucket: dist.GradBucket, name_of, skip_1d: bool) -> "BucketLayout":
         buffer = bucket.buffer()
         base, size = buffer.data_ptr(), buffer.element_size()
-        entries = sorted(((g.data_ptr() - base) // size, g.numel(), name_of(p), p.dim() <= 1)
+        entries = sorted(((g.data_ptr() - base) // size, g.numel(), name_of(p), p.dim() <= 1, tuple(p.shape))
                          for p, g in zip(bucket.parameters(), bucket.gradients()))
-        names = [name for _, _, name, _ in entries]
-        spans = [(offset, numel) for offset, numel, _, _ in entries]
+        names = [name for _, _, name, _, _ in entries]
+        spans = [(offset, numel) for offset, numel, _, _, _ in entries]
         if sum(numel for _, numel in spans) != buffer.numel():
             raise RuntimeError(f"bucket {bucket.index()}: its parameters do not tile its buffer (a DDP layout netgain does not know)")
         segments = Segments.build([numel for _, numel in spans], [name_key(n) for n in names], buffer.device)
-        exact = [torch.arange(o, o + k, device=buffer.device) for o, k, _, flat in entries if flat] if skip_1d else []
-        return cls(names, spans, segments, torch.cat(exact) if exact else None)
+        exact = [torch.arange(o, o + k, device=buffer.device) for o, k, _, flat, _ in entries if flat] if skip_1d else []
+        return cls(names, spans, segments, torch.cat(exact) if exact else None,
+                   shapes=[shape for *_, shape in entries])
 
 
 class StateStore:
@@ -52,16 +55,19 @@ class StateStore:
         self.views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # name -> (local g_i, shared g)
         self.loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # from a checkpoint, not yet placed
 
-    def feedback_for(self, layout: BucketLayout, device) -> EF21:
-        """The layout's EF21 buffers, taking over each parameter's values from an earlier layout or a checkpoint."""
+    def feedback_for(self, layout: BucketLayout, device, codec) -> "EF21 | LowRankMemory":
+        """The layout's state buffers (``codec.memory``: EF21's, or low rank's residual and warm start),
+        taking over each parameter's values from an earlier layout or a checkpoint."""
         if layout.feedback is None:
-            feedback = EF21(layout.segments.numel, device)
-            for name, (offset, numel) in zip(layout.names, layout.spans):
+            feedback, shared_spans = codec.memory(layout, device)
+            for name, (offset, numel), (at, size) in zip(layout.names, layout.spans, shared_spans):
                 previous = self.views.get(name) or self.loaded.pop(name, None)
-                local, shared = feedback.local[offset:offset + numel], feedback.shared[offset:offset + numel]
+                local, shared = feedback.local[offset:offset + numel], feedback.shared[at:at + size]
                 if previous is not None:
                     local.copy_(previous[0].reshape(-1))
                     shared.copy_(previous[1].reshape(-1))
+                else:
+                    codec.fill_shared(name, shared)
                 self.views[name] = (local, shared)
             layout.feedback = feedback
         return layout.feedback

@@ -1,0 +1,237 @@
+"""Low-rank gradient compression (PowerSGD, Vogels et al. 2019) whose factors may travel as Global-QSGD codes.
+
+Each matrix-shaped gradient M (rows x cols, error feedback added) is approximated by P Q^T of
+rank r. One power iteration per step, warm-started from last step's Q:
+    P = mean_i(M_i Q)        (round 1: allreduce)      P <- orthonormal columns of P
+    Q = mean_i(M_i^T P)      (round 2: allreduce)      result P Q^T, identical on every rank
+and each rank keeps e_i = M_i - P Q^T for its next step. Both rounds are sums, so Global-QSGD can
+quantize the factors against one global scale per factor (a small MAX allreduce before each) and
+a native integer allreduce adds them up: low rank and 8 bits together, ~4x fewer bytes than
+PowerSGD's fp32 factors. Vectors and matrices too small to gain (rank r costs r (rows + cols) >=
+rows cols / 2) ride in round 1's payload through the same factor codec.
+
+No Python loop over parameters on the hot path: same-shaped matrices whose offsets in the bucket
+step evenly (one per layer, as models lay them out) form one strided view of the bucket, and each
+shape group costs one batched matmul per round.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import fused
+from .codecs import Codec, Context, GlobalQSGD, NoCompression, check_bits
+from .feedback import LowRankMemory
+from .fused import Segments
+
+FACTORS = ("fp32", "gqsgd")
+MIN_COMPRESSION = 2  # compress a matrix only if rank r sends at most half its elements (as PyTorch's PowerSGD)
+_P_SALT, _Q_SALT = 0x5053, 0x5153  # factor noise keys differ from the gradient's
+
+
+@dataclass
+class _Group:
+    """Same-shaped matrices at evenly spaced offsets: one strided (count, rows, cols) view of the bucket."""
+
+    rows: int
+    cols: int
+    count: int
+    first: int          # offset of the first matrix in the bucket
+    stride: int         # offset step between matrices
+    p_index: torch.Tensor  # where their P factors lie in round 1's payload (count * rows * rank)
+    q_index: torch.Tensor  # where their Q factors lie in round 2's payload and in the warm start
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided((self.count, self.rows, self.cols), (self.stride, self.cols, 1),
+                               flat.storage_offset() + self.first)
+
+
+class LowRank(Codec):
+    """PowerSGD-style rank-r compression with error feedback, warm start and orthonormalisation.
+
+    factors="fp32": the factors travel as fp32 (PyTorch's powerSGD_hook); "gqsgd": as Global-QSGD
+    ``bits``-bit packed codes against a global scale per factor (unbiased rounding, 2 extra small
+    MAX allreduces). Biased (low rank), error feedback keeps what it drops. Wire bits per element
+    of an m x n matrix: factor bits * r (m + n) / (m n); see `wire_bits`.
+    """
+
+    name, collective, unbiased, needs_scales, uses_feedback = "lowrank", "allreduce", False, True, True
+
+    def __init__(self, rank: int = 4, factors: str = "gqsgd", bits: int = 8):
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be an integer >= 1, got rank={rank!r}")
+        if factors not in FACTORS:
+            raise ValueError(f"factors={factors!r} is not one of {FACTORS}")
+        self.rank, self.factors, self.bits = rank, factors, check_bits(bits)
+        self.factor_codec = GlobalQSGD(bits) if factors == "gqsgd" else NoCompression()
+
+    def params(self):
+        return {"rank": self.rank, "factors": self.factors, **({"bits": self.bits} if self.factors == "gqsgd" else {})}
+
+    def wire_bits(self, world_size, shape: tuple[int, int] | None = None):
+        """Payload bits per element of a rows x cols matrix (the cost depends on the model's shapes)."""
+        if shape is None:
+            raise ValueError("lowrank's wire bits depend on the matrix shape: pass shape=(rows, cols)")
+        rows, cols = shape
+        per_factor = self.factor_codec.wire_bits(world_size)
+        if not self.compresses(rows, cols):
+            return per_factor
+        return per_factor * self.rank * (rows + cols) / (rows * cols)
+
+    def compresses(self, rows: int, cols: int) -> bool:
+        return self.rank * (rows + cols) * MIN_COMPRESSION <= rows * cols
+
+    def rounds(self, ctx: Context) -> int:
+        """Collectives per bucket after the header: P, [Q's scales,] Q; only P without a matrix to compress."""
+        if not ctx.tables[self.describe()]["groups"]:
+            return 1
+        return 3 if self.factor_codec.needs_scales else 2
+
+    # ---- state: the store calls these once per bucket layout -------------------------------------
+    def memory(self, layout, device) -> tuple[LowRankMemory, list[tuple[int, int]]]:
+        """The layout's state and, per parameter, the span of its warm-start Q in the shared buffer."""
+        spans, offset = [], 0
+        for rows, cols in _matrices(layout):
+            size = cols * self.rank if rows and self.compresses(rows, cols) else 0
+            spans.append((offset, size))
+            offset += size
+        return LowRankMemory(layout.segments.numel, offset, device), spans
+
+    def fill_shared(self, name: str, warm: torch.Tensor) -> None:
+        """A fresh warm start: Gaussian from the parameter's name, so identical on every rank and run."""
+        generator = torch.Generator().manual_seed(fused.name_key(name))
+        warm.copy_(torch.randn(warm.numel(), generator=generator))
+
+    # ---- the rounds ----------------------------------------------------------------------
+    def local_scales(self, x, ctx):
+        """Round 1's local part: M = grad + e into the bucket, P = M Q per group; max |P| per parameter."""
+        with ctx.timed("encode_s"):
+            t = ctx.table(self.describe(), lambda: self._tables(ctx))
+            x.add_(ctx.feedback.local)
+            p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
+            for g in t["groups"]:
+                warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
+                p[g.p_index] = torch.bmm(g.view(x).float(), warm).reshape(-1)  # (bf16 buckets: in fp32)
+            p[t["dense_to"]] = x[t["dense_from"]].float()
+            ctx.carry.update(x=x, p=p, p_ctx=self._factor_context(ctx, t, "p"))
+            return t["p_segments"].absmax(p)
+
+    def encode(self, x, ctx):
+        p_ctx = ctx.carry["p_ctx"]
+        p_ctx.scales = ctx.scales
+        return self.factor_codec.encode(ctx.carry["p"], p_ctx)
+
+    def relay(self, aggregated: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dist.ReduceOp]:
+        """The next round's payload from the last round's result (called rounds - 1 times per bucket)."""
+        t, carry = ctx.tables[self.describe()], ctx.carry
+        if "q" not in carry:  # P's mean is in: orthonormalise it, Q = M^T P
+            p = self.factor_codec.decode(aggregated, carry["p"], carry["p_ctx"])
+            with ctx.timed("encode_s"):
+                q = ctx.buffer("lowrank Q", t["q_segments"].numel, torch.float32, aggregated.device)
+                orthonormal = []
+                for g in t["groups"]:
+                    basis = torch.linalg.qr(p[g.p_index].view(g.count, g.rows, self.rank)).Q
+                    q[g.q_index] = torch.bmm(g.view(carry["x"]).float().transpose(1, 2), basis).reshape(-1)
+                    orthonormal.append(basis)
+            carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
+            if self.factor_codec.needs_scales:
+                return t["q_segments"].absmax(q), dist.ReduceOp.MAX
+        else:  # Q's global scales are in
+            carry["q_ctx"].scales = torch.where(aggregated > 0, aggregated, torch.ones_like(aggregated))
+        return self.factor_codec.encode(carry["q"], carry["q_ctx"]), dist.ReduceOp.SUM
+
+    def decode(self, aggregated, out, ctx):
+        """Q's mean is in: write P Q^T into the bucket, keep e = M - P Q^T and Q as the next warm start."""
+        t, carry, memory = ctx.tables[self.describe()], ctx.carry, ctx.feedback
+        if not t["groups"]:  # no matrix: round 1 carried every parameter, in the bucket's order
+            return out.copy_(self.factor_codec.decode(aggregated, carry["p"], carry["p_ctx"]))
+        q = self.factor_codec.decode(aggregated, carry["q"], carry["q_ctx"])
+        with ctx.timed("decode_s"):
+            dense = carry["p"][t["dense_to"]]  # P's buffer holds the dense parameters' mean
+            for g, basis in zip(t["groups"], carry["basis"]):
+                approx = torch.bmm(basis, q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2))
+                m = g.view(out)
+                torch.sub(m, approx, out=g.view(memory.local))
+                m.copy_(approx)
+            memory.shared.copy_(q)
+            out[t["dense_from"]] = dense.to(out.dtype)
+            return out
+
+    # ---- tables, once per bucket layout ----------------------------------------------------
+    def _tables(self, ctx: Context) -> dict:
+        layout, s, r = ctx.layout, ctx.segments, self.rank
+        device = s.starts.device
+        shapes = _matrices(layout)
+        compressed = [bool(rows) and self.compresses(rows, cols) for rows, cols in shapes]
+        p_sizes = [rows * r if c else numel for (rows, _), (_, numel), c in zip(shapes, layout.spans, compressed)]
+        p_starts = torch.tensor([0] + p_sizes[:-1]).cumsum(0).tolist()
+        q_sizes = [cols * r for (_, cols), c in zip(shapes, compressed) if c]
+        q_starts = dict(zip([i for i, c in enumerate(compressed) if c], torch.tensor([0] + q_sizes[:-1]).cumsum(0).tolist()))
+        families = defaultdict(list)  # same shape and name up to layer numbers: evenly spaced, usually
+        for i, c in enumerate(compressed):
+            if c:
+                families[(shapes[i], re.sub(r"\d+", "#", layout.names[i]))].append(i)
+        groups = []
+        for ((rows, cols), _), members in families.items():
+            for run in _even_runs(members, [layout.spans[i][0] for i in members]):
+                offsets = [layout.spans[i][0] for i in run]
+                groups.append(_Group(rows, cols, len(run), offsets[0], offsets[1] - offsets[0] if len(run) > 1 else 0,
+                                     _ranges([p_starts[i] for i in run], rows * r, device),
+                                     _ranges([q_starts[i] for i in run], cols * r, device)))
+        dense = [i for i, c in enumerate(compressed) if not c]
+        keys = s.keys.tolist()
+        return {"groups": groups,
+                "dense_from": _ranges([layout.spans[i][0] for i in dense], [layout.spans[i][1] for i in dense], device),
+                "dense_to": _ranges([p_starts[i] for i in dense], [layout.spans[i][1] for i in dense], device),
+                "p_segments": Segments.build(p_sizes, keys, device),
+                "q_segments": Segments.build(q_sizes, [k for k, c in zip(keys, compressed) if c], device) if groups else None,
+                "q_params": torch.tensor([i for i, c in enumerate(compressed) if c], dtype=torch.long, device=device)}
+
+    def _factor_context(self, ctx: Context, t: dict, factor: str) -> Context:
+        """The factor codec's view of one round: its own segments, noise keys and buffers."""
+        if factor == "p":
+            segments, keys = t["p_segments"], ctx.noise_keys ^ _P_SALT
+        else:
+            segments, keys = t["q_segments"], ctx.noise_keys[t["q_params"]] ^ _Q_SALT
+        return Context(ctx.world_size, segments, fused.hash32(keys), keys,
+                       tables=ctx.table(("lowrank factor tables", factor), dict), seconds=ctx.seconds)
+
+
+def _matrices(layout) -> list[tuple[int, int]]:
+    """(rows, cols) of every parameter as PowerSGD sees it (dim 0 by the rest), (0, 0) for vectors."""
+    if layout.shapes is None:
+        raise ValueError("lowrank needs the parameters' shapes (a bucket layout from DDP)")
+    return [(shape[0], _numel(shape) // shape[0]) if len(shape) >= 2 and shape[0] else (0, 0) for shape in layout.shapes]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _even_runs(members: list[int], offsets: list[int]) -> list[list[int]]:
+    """Split parameters (in bucket order) into runs whose offsets step by one constant."""
+    runs = []
+    for i, offset in zip(members, offsets):
+        run = runs[-1] if runs else None
+        if run is not None and (len(run[0]) == 1 or offset - run[1][-1] == run[1][1] - run[1][0]):
+            run[0].append(i)
+            run[1].append(offset)
+        else:
+            runs.append(([i], [offset]))
+    return [run for run, _ in runs]
+
+
+def _ranges(starts: list[int], sizes, device) -> torch.Tensor:
+    """Concatenated index ranges [start, start + size) as one int64 tensor (built once per layout)."""
+    sizes = sizes if isinstance(sizes, list) else [sizes] * len(starts)
+    if not starts:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, sizes)])

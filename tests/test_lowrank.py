@@ -1,0 +1,113 @@
+"""The low-rank codec (PowerSGD-style, fp32 or Global-QSGD factors) on gloo ranks: every rank gets the
+same gradient, error feedback loses nothing, low-rank gradients arrive exactly, and the Global-QSGD
+factors cut the bytes of the fp32 ones."""
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import netgain.comm as comm
+
+from distributed import run
+from test_hook import Layers, ddp, grads
+
+STEPS = 5
+
+
+def true_mean(world_size, step):
+    """Layers' gradients (in parameter order a, b, c) averaged over ranks, as fp32 DDP would deliver them."""
+    def one(rank):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.cat([torch.randn(shape, generator=g).reshape(-1) for shape in ((3000,), (40, 50), (2500,))])
+    return sum(one(r) for r in range(world_size)) / world_size
+
+
+def delivered(rank, world_size):
+    """STEPS steps of each factor codec: the delivered gradients, this rank's residual, the wire bytes."""
+    out = {}
+    for factors in ("fp32", "gqsgd"):
+        model = ddp(Layers())
+        state = comm.register(model, comm.LowRankConfig(rank=2, factors=factors), min_compress_numel=0)
+        steps = []
+        for step in range(STEPS):
+            model.zero_grad()
+            model(step, rank).backward()
+            steps.append(grads(model))
+        residual = torch.cat([state.store.local_state()[name] for name in ("a", "b", "c")])
+        out[factors] = steps, residual, sum(h["wire_bytes"] for h in state.history)
+        state.close()
+    return out
+
+
+WORLD_SIZE = 3
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = run(delivered, WORLD_SIZE)
+    assert all(status == "ok" for status, _ in results), results
+    return [value for _, value in results]
+
+
+@pytest.mark.parametrize("factors", ["fp32", "gqsgd"])
+def test_ranks_agree_and_error_feedback_loses_nothing(runs, factors):
+    """sum_t delivered_t + mean_i(e_i) = sum_t mean_i(g_i,t): what low rank drops waits in the residuals."""
+    steps = [rank[factors][0] for rank in runs]
+    assert all(torch.equal(a, b) for other in steps[1:] for a, b in zip(steps[0], other))
+    residual = sum(rank[factors][1] for rank in runs) / WORLD_SIZE
+    truth = sum(true_mean(WORLD_SIZE, step) for step in range(STEPS))
+    total = sum(steps[0])
+    b = slice(3000, 5000)  # the one matrix: compressed, not exact, and nothing lost
+    assert torch.allclose(total[b] + residual[b], truth[b], atol=1e-4)
+    assert (total[b] - truth[b]).norm() > 0.1 * truth[b].norm()
+    # vectors ride in round 1, no residual: exact in fp32, one unbiased rounding per step in gqsgd
+    vectors = torch.cat([total[:3000] - truth[:3000], total[5000:] - truth[5000:]])
+    assert residual[:3000].abs().max() == 0 and residual[5000:].abs().max() == 0
+    assert vectors.abs().max() <= (1e-5 if factors == "fp32" else STEPS * 5.0 / 127)  # max |g| < 5
+
+
+def test_global_qsgd_factors_send_fewer_bytes_than_fp32_factors(runs):
+    assert runs[0]["gqsgd"][2] < runs[0]["fp32"][2] / 2.5  # 10.7 bits per element instead of 32 at n = 3
+
+
+class RankOne(torch.nn.Module):
+    """A 64 x 96 weight whose gradient on rank r is (u + r) v^T: the mean is rank one too."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(64, 96))
+
+    def forward(self, rank):
+        u = torch.linspace(-1, 1, 64) + rank
+        v = torch.linspace(0.5, 2, 96)
+        return (self.w * torch.outer(u, v)).sum()
+
+
+def rank_one(rank, world_size):
+    out = {}
+    for factors in ("fp32", "gqsgd"):
+        model = DDP(RankOne())
+        state = comm.register(model, comm.LowRankConfig(rank=1, factors=factors), min_compress_numel=0)
+        model(rank).backward()
+        state.close()
+        out[factors] = model.module.w.grad.clone(), state.last_step["wire_bytes"]
+    return out
+
+
+def test_low_rank_gradients_arrive_exactly():
+    results = run(rank_one, 2)
+    assert all(status == "ok" for status, _ in results), results
+    mean = torch.outer(torch.linspace(-1, 1, 64) + 0.5, torch.linspace(0.5, 2, 96))
+    for factors, tolerance in (("fp32", 1e-5), ("gqsgd", 2e-2)):
+        got, wire = results[0][1][factors]
+        assert (got - mean).norm() <= tolerance * mean.norm(), factors
+    header = 4 * (1 + 3)  # one parameter's max |P|, the flag and the signature
+    assert results[0][1]["fp32"][1] == header + 4 * (64 + 96)  # P and Q of rank 1, fp32
+
+
+@pytest.mark.parametrize("build,match", [(lambda: comm.LowRankConfig(rank=0), "rank must be an integer >= 1"),
+                                         (lambda: comm.LowRankConfig(factors="fp8"), "factors='fp8' is not one of"),
+                                         (lambda: comm.LowRankConfig(bits=9), "bits must be in 2..8")])
+def test_bad_low_rank_arguments_name_the_argument(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
