@@ -9,7 +9,9 @@ compute). Every `replan_every` steps, or when the link estimate moves by more th
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket.
 Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ratio. An option's
 time is its header and payload collectives on the monitor's fit plus this machine's calibrated
-codec cost; the plan fits them into the budget less the monitor's overhead. Its error is measured
+codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
+by which recent steps overran their prediction (so the spread fits, not only the median; reset when
+the link moves). Its error is measured
 on the current gradient (expected stochastic-rounding error for gqsgd, the dropped energy for
 top-k), summed over ranks.
 
@@ -25,6 +27,7 @@ hook's header checks it bucket by bucket.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -36,6 +39,7 @@ from .codecs import Codec, GlobalQSGD, NoCompression, TopK, codec_profile
 from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
+OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 
 
 class AdaptivePlanner:
@@ -70,6 +74,7 @@ class AdaptivePlanner:
         self._predicted: float | None = None
         self._backward_s: float | None = None
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
+        self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
         self.last: dict = {}
 
@@ -97,20 +102,22 @@ class AdaptivePlanner:
         self._local_errors[index] = [float(x.square().sum())] + [option_error(option, x) for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
-    def end_step(self, link, step: int, backward_s: float) -> dict:
+    def end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
         observer, link.observer = link.observer, None  # the planner's own small collectives are not samples
         try:
-            return self._end_step(link, step, backward_s)
+            return self._end_step(link, step, backward_s, comm_s)
         finally:
             link.observer = observer
 
-    def _end_step(self, link, step: int, backward_s: float) -> dict:
+    def _end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
         bandwidth, latency, overhead = self.monitor.local_estimate()
-        # MAX of bandwidth, backward time and overhead seconds, MIN of latency (as -MAX of -latency)
-        agreed = link.allreduce(torch.tensor([bandwidth, backward_s, -latency, overhead], dtype=torch.float64),
+        # MAX of bandwidth, backward time, overhead and communication seconds, MIN of latency (-MAX of -latency)
+        agreed = link.allreduce(torch.tensor([bandwidth, backward_s, -latency, overhead, comm_s], dtype=torch.float64),
                                 torch.distributed.ReduceOp.MAX).tolist()
         bandwidth = self.monitor.update(agreed[0], -agreed[2], agreed[3])
         self._backward_s = agreed[1] if self._backward_s is None else 0.7 * self._backward_s + 0.3 * agreed[1]
+        if self._predicted and not self._stale:
+            self._overruns.append(agreed[4] / self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)
@@ -119,7 +126,7 @@ class AdaptivePlanner:
             self._agree_profiles(link)
             self._solve(link.world_size)
         self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
-                     "budget_s": self.budget_s(), "replanned": replanned,
+                     "budget_s": self.budget_s(), "margin": self.margin(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
                      "plan_error": max((self.relative[i][self.options.index(codec)]
                                         for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
@@ -158,6 +165,15 @@ class AdaptivePlanner:
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
 
+    def margin(self) -> float:
+        """How far measured steps overrun the plan's prediction (90th percentile of measured / predicted over
+        the last OVERRUN_WINDOW steps, at least 1): the plan aims at budget / margin, so that the steps'
+        spread, not only their median, fits the budget."""
+        if len(self._overruns) < 5:
+            return 1.0
+        ordered = sorted(self._overruns)
+        return max(1.0, ordered[int(0.9 * (len(ordered) - 1))])
+
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
         times = [[self._option_s(o, self._numels[i], world_size) for o in range(len(self.options))] for i in indices]
@@ -165,11 +181,13 @@ class AdaptivePlanner:
         safe = [[o == 0 or r <= self.max_error for o, r in enumerate(self.relative[i])] for i in indices]
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
-        budget = self.budget_s() - self.monitor.overhead_s
+        budget = self.budget_s() / self.margin() - self.monitor.overhead_s
         choice = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget) \
             or _fastest(times, safe, uniform=self.mode == "kimad")
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
+        if self._planned_link is not None and self._link_moved():
+            self._overruns.clear()  # overruns measured on the old link say nothing about the new one
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
         self._stale = False
 

@@ -442,7 +442,7 @@ class FixedChoice:
     def observe(self, index: int, x: torch.Tensor) -> None:
         pass
 
-    def end_step(self, communicator, step: int, backward_s: float) -> dict:
+    def end_step(self, communicator, step: int, backward_s: float, comm_s: float) -> dict:
         return {}
 
     def describe(self) -> str:

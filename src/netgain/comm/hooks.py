@@ -318,7 +318,8 @@ class CommState:
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         failed, self._failure = self._failure, None
         if failed is None and self._communicator is not None:
-            totals.update(self.chooser.end_step(self._communicator, self.step, totals["backward_s"]))
+            totals.update(self.chooser.end_step(self._communicator, self.step, totals["backward_s"],
+                                                totals["comm_s"] + totals["encode_s"] + totals["decode_s"]))
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
