@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from . import fused
 from . import quantize as Q
 from .feedback import EF21
 from .fused import Segments
+from .store import BucketLayout
 from ..cost import network
 from ..cost.kernels import GPU
 
@@ -500,14 +502,21 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
     sizes = [numel // parameters] * parameters
     sizes[-1] += numel - sum(sizes)
-    segments = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(parameters)], device)
+    names = [f"p{i}" for i in range(parameters)]
+    segments = Segments.build(sizes, [fused.name_key(name) for name in names], device)
+    spans = [(start, size) for start, size in zip(segments.starts.tolist(), sizes)]
+    layout = BucketLayout(names, spans, segments, shapes=[_squarest(size) for size in sizes])
+    memory = None
+    if codec.uses_feedback:
+        memory, shared_spans = codec.memory(layout, device)
+        for name, (at, size) in zip(names, shared_spans):
+            codec.fill_shared(name, memory.shared[at:at + size])
     cuda = x.is_cuda
-    tables: dict = {}
     encode_s, decode_s = [], []
     for trial in range(repeats + 1):
         ctx = Context(world_size, segments, fused.step_keys(segments.keys, seed, trial, 0),
-                      fused.step_keys(segments.keys, seed, trial, -1), tables=tables,
-                      feedback=EF21(numel, device) if codec.uses_feedback else None, synchronize=cuda)
+                      fused.step_keys(segments.keys, seed, trial, -1), tables=layout.tables,
+                      feedback=memory, synchronize=cuda, layout=layout)
         bucket = x.clone()
         if cuda:
             torch.cuda.synchronize()
@@ -517,7 +526,9 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
             if cuda:
                 torch.cuda.synchronize()
         ctx.seconds["encode_s"] += time.perf_counter() - start
-        payload = codec.encode(bucket, ctx)
+        payload, op = codec.encode(bucket, ctx), dist.ReduceOp.SUM
+        for _ in range(codec.rounds(ctx) - 1):  # low rank's later rounds (a MAX of n copies is one copy)
+            payload, op = codec.relay(payload if op == dist.ReduceOp.MAX else payload * world_size, ctx)
         if codec.collective == "allreduce":
             aggregated = payload if payload is bucket else payload * world_size
         elif codec.collective == "allgather":
@@ -532,6 +543,12 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
             encode_s.append(ctx.seconds["encode_s"])
             decode_s.append(ctx.seconds["decode_s"])
     return {"encode_s": sorted(encode_s)[repeats // 2], "decode_s": sorted(decode_s)[repeats // 2]}
+
+
+def _squarest(numel: int) -> tuple[int, int]:
+    """The most nearly square rows x cols = numel (what time_codec gives low rank to factor)."""
+    rows = max(d for d in range(1, math.isqrt(numel) + 1) if numel % d == 0)
+    return (rows, numel // rows)
 
 
 def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate",

@@ -243,7 +243,8 @@ class CommState:
             job["verdict"].set_result(None)
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
             self.chooser.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
-        local_grad = x.clone() if feedback and not codec.uses_feedback else None  # EF21 restarts here
+        restart = feedback and not codec.uses_feedback  # the memory restarts from this step's gradient
+        local_grad = ctx.buffer("local gradient", x.numel(), x.dtype, x.device).copy_(x) if restart else None
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
@@ -283,7 +284,8 @@ class CommState:
 
     def _header(self, index, codec, x, ctx, record):
         """One allreduce MAX of [max |g| per parameter (+inf where non-finite), flag, signature, -signature]."""
-        maxes = codec.local_scales(x, ctx)
+        with ctx.timed("encode_s"):  # codec work (max |g|; low rank's P), as time_codec counts it
+            maxes = codec.local_scales(x, ctx)
         finite = torch.isfinite(maxes)
         signature = float(zlib.crc32(f"{index}:{self.step}:{codec.describe()}".encode()) % (1 << 24))
         flags = torch.stack([(~finite).any().float(), torch.tensor(signature, device=x.device),

@@ -109,17 +109,17 @@ class LowRank(Codec):
 
     # ---- the rounds ----------------------------------------------------------------------
     def local_scales(self, x, ctx):
-        """Round 1's local part: M = grad + e into the bucket, P = M Q per group; max |P| per parameter."""
-        with ctx.timed("encode_s"):
-            t = ctx.table(self.describe(), lambda: self._tables(ctx))
-            x.add_(ctx.feedback.local)
-            p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
-            for g in t["groups"]:
-                warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
-                p[g.p_index] = torch.bmm(g.view(x).float(), warm).reshape(-1)  # (bf16 buckets: in fp32)
-            p[t["dense_to"]] = x[t["dense_from"]].float()
-            ctx.carry.update(x=x, p=p, p_ctx=self._factor_context(ctx, t, "p"))
-            return t["p_segments"].absmax(p)
+        """Round 1's local part: M = grad + e into the bucket, P = M Q per group; max |P| per parameter.
+        (The caller times it as encoding, as it does every codec's header work.)"""
+        t = ctx.table(self.describe(), lambda: self._tables(ctx))
+        x.add_(ctx.feedback.local)
+        p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
+        for g in t["groups"]:
+            warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
+            p[g.p_index] = torch.bmm(g.view(x).float(), warm).reshape(-1)  # (bf16 buckets: in fp32)
+        p[t["dense_to"]] = x[t["dense_from"]].float()
+        ctx.carry.update(x=x, p=p, p_ctx=self._factor_context(ctx, t, "p"))
+        return t["p_segments"].absmax(p)
 
     def encode(self, x, ctx):
         p_ctx = ctx.carry["p_ctx"]
