@@ -122,7 +122,7 @@ def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
     first, second = (train.prepare_outputs(config()).out for _ in range(2))
-    assert first == "runs/none-20260101-000000" and second == "runs/none-20260101-000000-2"
+    assert first == "runs/gqsgd-20260101-000000" and second == "runs/gqsgd-20260101-000000-2"
     assert Path(first).is_dir() and Path(second).is_dir()
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from netgain import cli
+from netgain import cli, train
 
 
 def run_train(*argv: str) -> int:
@@ -24,7 +24,8 @@ def test_digits_converges(tmp_path):
     assert result["final_val_accuracy"] > 0.93
 
 
-def test_lm_writes_record_and_loss_curve(tmp_path):
+def test_lm_writes_record_and_loss_curve(tmp_path, capfd):
+    """The default codec is gqsgd 8-bit packed; the summary states its bytes and fp32's predicted step."""
     text = tmp_path / "corpus.txt"
     text.write_text("def add(a, b):\n    return a + b\n" * 200)
     out = tmp_path / "run"
@@ -32,10 +33,36 @@ def test_lm_writes_record_and_loss_curve(tmp_path):
                      "--batch-size", "4", "--steps", "3", "--eval-every", "2", "--out", str(out)) == 0
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["task"] == "lm"
+    assert (record["config"]["codec"], record["config"]["bits"], record["config"]["encoding"]) == ("gqsgd", 8, "packed")
     assert len(record["per_step"]["step_s"]) == len(record["per_step"]["wire_bytes"]) == 3
     assert [v["step"] for v in record["validation"]] == [0, 2, 3]
-    assert record["summary"]["wire_bytes_per_step"] == record["summary"]["fp32_bytes_per_step"] > 0
+    result = record["summary"]
+    assert 0 < result["wire_bytes_per_step"] < result["fp32_bytes_per_step"]
+    assert result["compression_ratio"] == pytest.approx(32 / (64 / 7), rel=0.01)  # 9.1 bits per element at n=2
+    assert result["predicted_fp32_step_s"] > 0 and result["link_bandwidth_Bps"] > 0
+    wire, step = result["versus_fp32"]
+    assert wire.startswith("wire ") and wire.endswith(" MB fp32: 3.5x fewer")
+    assert "s predicted on this link" in step
+    assert f"{wire}\n{step}\n" in capfd.readouterr().out  # rank 0, a spawned process, prints it
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_link_is_fitted_to_the_runs_collectives():
+    """Buckets that took 1 ms + bytes / (100 MB/s) give that link (the one fp32 is predicted on)."""
+    steps = [[{"numel": numel, "codec": "gqsgd(bits=8,encoding=packed)", "wire_bytes": numel,
+               "comm_s": 1e-3 + numel / 1e8} for numel in (1000, 100_000)]] * 3
+    link = train.fit_link(steps, world_size=2)  # a ring allreduce at 2 workers sends its payload once
+    assert link.bandwidth == pytest.approx(1e8) and link.overhead == pytest.approx(1e-3)
+    assert train.fit_link([[]] * 3, world_size=2) is None  # PyTorch's hooks (ddp*) time no bucket
+
+
+def test_versus_fp32_without_a_link_or_a_peer_says_why():
+    ddp = {"wire_bytes_per_step": 4e6, "fp32_bytes_per_step": 4e6, "step_s": 0.2, "predicted_fp32_step_s": None}
+    assert train.versus_fp32(ddp, hop_size=2, fsdp=False) == [
+        "wire 4 MB/step vs 4 MB fp32: no fewer",
+        "step 0.2 s measured; fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"]
+    assert train.versus_fp32(ddp, hop_size=1, fsdp=False) == [
+        "no communication (1 worker): nothing for a codec to compress, fp32 included"]
 
 
 @pytest.mark.parametrize("codec", ["gqsgd", "topk"])
