@@ -138,9 +138,10 @@ def test_plan_prefers_unbiased_codes_that_fit_over_a_biased_one():
 
 def test_plan_leaves_room_for_the_steps_measured_spread():
     """gqsgd 8-bit (0.114 s on the model) fits 0.12 s; steps that overran their prediction by 1.5x at
-    the 90th percentile make the plan aim at 0.08 s, where only 4 bits (0.067 s) fit."""
+    the 95th percentile make the plan aim at 0.08 s, where only 4 bits (0.067 s) fit."""
     assert planner_on_link("kimad+", 0.12, RELATIVE) == ["gqsgd(bits=8,encoding=packed)"]
-    assert planner_on_link("kimad+", 0.12, RELATIVE, overruns=[1.0] * 10 + [1.5] * 10) == ["gqsgd(bits=4,encoding=packed)"]
+    assert planner_on_link("kimad+", 0.12, RELATIVE, overruns=[1.0] * 18 + [1.5] * 2) == ["gqsgd(bits=4,encoding=packed)"]
+    assert planner_on_link("kimad+", 0.12, RELATIVE, overruns=[1.0] * 19 + [9.0]) == ["gqsgd(bits=8,encoding=packed)"]  # one stall
     assert planner_on_link("kimad+", 0.12, RELATIVE, overruns=[0.8] * 20) == ["gqsgd(bits=8,encoding=packed)"]  # at most the budget
 
 

@@ -10,8 +10,8 @@ compute). Every `replan_every` steps, or when the link estimate moves by more th
 Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ratio. An option's
 time is its header and payload collectives on the monitor's fit plus this machine's calibrated
 codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
-by which recent steps overran their prediction (so the spread fits, not only the median; reset when
-the link moves). Its error is measured
+by which recent steps overran their prediction (so the spread fits, not only the median). Its
+error is measured
 on the current gradient (expected stochastic-rounding error for gqsgd, the dropped energy for
 top-k), summed over ranks.
 
@@ -40,6 +40,7 @@ from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
+OVERRUN_QUANTILE = 0.95
 
 
 class AdaptivePlanner:
@@ -166,13 +167,15 @@ class AdaptivePlanner:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
 
     def margin(self) -> float:
-        """How far measured steps overrun the plan's prediction (90th percentile of measured / predicted over
-        the last OVERRUN_WINDOW steps, at least 1): the plan aims at budget / margin, so that the steps'
-        spread, not only their median, fits the budget."""
+        """How far measured steps overrun the plan's prediction (OVERRUN_QUANTILE of measured / predicted
+        over the last OVERRUN_WINDOW steps, at least 1): the plan aims at budget / margin, so that the
+        steps' spread, not only their median, fits the budget. Kept across link changes: a moved
+        estimate is when the fit is least to be trusted (one or two steps of a real change stay below
+        the quantile)."""
         if len(self._overruns) < 5:
             return 1.0
         ordered = sorted(self._overruns)
-        return max(1.0, ordered[int(0.9 * (len(ordered) - 1))])
+        return max(1.0, ordered[int(OVERRUN_QUANTILE * (len(ordered) - 1))])
 
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
@@ -186,8 +189,6 @@ class AdaptivePlanner:
             or _fastest(times, safe, uniform=self.mode == "kimad")
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
-        if self._planned_link is not None and self._link_moved():
-            self._overruns.clear()  # overruns measured on the old link say nothing about the new one
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
         self._stale = False
 
