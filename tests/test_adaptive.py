@@ -95,6 +95,16 @@ def test_monitor_charges_a_queued_collective_only_its_own_time():
     assert overhead == pytest.approx(0.2)  # the hook reports 0.6 s; the fit predicts 0.4 s
 
 
+def test_errors_measured_on_a_sample_match_the_whole_bucket():
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2, 1 << 20)
+    planner = AdaptivePlanner("kimad+", bits=(8, 4, 2), topk_ratios=(0.01,))
+    planner.observe(0, x)
+    energy, *sampled = planner._local_errors[0]
+    whole = [option_error(o, x) for o in planner.options]
+    assert energy == pytest.approx(float(x.square().sum()))
+    assert sampled == pytest.approx(whole, rel=0.05)
+
+
 def test_option_errors_order_as_expected():
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     errors = [option_error(o, x) for o in (NoCompression(), GlobalQSGD(8), GlobalQSGD(4), GlobalQSGD(2))]

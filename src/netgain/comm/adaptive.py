@@ -41,6 +41,7 @@ from .quantize import levels_per_side
 MODES = ("kimad", "kimad+")
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_QUANTILE = 0.95
+ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are measured
 
 
 class AdaptivePlanner:
@@ -99,8 +100,14 @@ class AdaptivePlanner:
         return self._stale or (step + 1) % self.replan_every == 0
 
     def observe(self, index: int, x: torch.Tensor) -> None:
-        """Measure the bucket's energy and every option's compression error on this rank's bucket."""
-        self._local_errors[index] = [float(x.square().sum())] + [option_error(option, x) for option in self.options]
+        """Measure the bucket's energy and every option's compression error on this rank's bucket.
+
+        The errors come from an even sample of at most ERROR_SAMPLES elements, scaled up (gqsgd's scale
+        from the whole bucket): the measuring step must not cost a pass per option over the bucket."""
+        sample = x[:: max(1, x.numel() // ERROR_SAMPLES)]
+        scale, factor = float(x.abs().max()), x.numel() / sample.numel()
+        self._local_errors[index] = [float(x.square().sum())] + [option_error(option, sample, scale) * factor
+                                                                 for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
     def end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
@@ -243,12 +250,13 @@ def _fastest(times, allowed, uniform: bool) -> list[int]:
     return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
 
 
-def option_error(option: Codec, x: torch.Tensor) -> float:
-    """||x - C(x)||^2 this option would cause on x (expected value for stochastic rounding)."""
+def option_error(option: Codec, x: torch.Tensor, scale: float | None = None) -> float:
+    """||x - C(x)||^2 this option would cause on x (expected value for stochastic rounding); gqsgd
+    quantizes against ``scale`` (default max |x|)."""
     if isinstance(option, NoCompression):
         return 0.0
     if isinstance(option, GlobalQSGD):
-        step = float(x.abs().max()) / levels_per_side(option.bits)
+        step = (float(x.abs().max()) if scale is None else scale) / levels_per_side(option.bits)
         if step == 0:
             return 0.0
         scaled = x.abs() / step
