@@ -39,8 +39,8 @@ BASELINE = "ddp"
 CODECS = {
     "ddp": ("ddp", {}),
     "ddp-fp16": ("ddp-fp16", {}),
-    "ddp-powersgd-r4": ("ddp-powersgd", {"powersgd-rank": 4}),
-    "ddp-powersgd-r32": ("ddp-powersgd", {"powersgd-rank": 32}),
+    "ddp-powersgd-r4": ("ddp-powersgd", {"rank": 4}),
+    "ddp-powersgd-r32": ("ddp-powersgd", {"rank": 32}),
     "fp16": ("fp16", {}),
     "qsgd-8": ("qsgd", {"bits": 8}),
     "gqsgd-8-int8": ("gqsgd", {"bits": 8, "encoding": "int8"}),

@@ -40,7 +40,7 @@ def config(*argv: str) -> train.TrainConfig:
     (["--ratio", "0"], "--ratio must be in (0, 1], got 0.0"),
     (["--ratio", "1.5"], "--ratio must be in (0, 1], got 1.5"),
     (["--ratio", "nan"], "--ratio must be in (0, 1], got nan"),
-    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
+    (["--rank", "0"], "--rank must be at least 1, got 0"),
     (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),

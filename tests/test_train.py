@@ -65,7 +65,7 @@ def test_versus_fp32_without_a_link_or_a_peer_says_why():
         "no communication (1 worker): nothing for a codec to compress, fp32 included"]
 
 
-@pytest.mark.parametrize("codec", ["gqsgd", "topk"])
+@pytest.mark.parametrize("codec", ["gqsgd", "topk", "lowrank"])
 def test_resume_equals_straight_run(tmp_path, codec):
     """8 steps straight == resuming its step-4 checkpoint in fresh processes for 4 more steps.
 

@@ -50,7 +50,7 @@ DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
 BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and bucket: what the link fit reads
 LINK_FIT_SAMPLES = 256  # the link is fitted to the run's last 256 bucket collectives (as Kimad's monitor keeps)
-ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "predicted_comm_s", "plan")  # per step, kimad only
+ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "plan")  # per step, kimad only
 CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (why: --codec's help)
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
@@ -68,7 +68,7 @@ SHARDED_CHECKPOINT_KEYS = {"step", "world_size", "config"}
 # On --resume: these settings are taken from this run and announced; any other difference in
 # RESUME_FIXED is refused by name (the model, the data stream or the codec state would not match).
 RESUME_APPLIED = ("lr", "batch_size", "data")
-RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "powersgd_rank",
+RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "rank", "factors",
                 "comm_budget_ms", "replan_every", "hidden_size", "layers", "seq_len", "replicas", "shards")
 
 
@@ -81,7 +81,8 @@ class TrainConfig:
     ratio: float
     warmup_steps: int
     skip_1d: bool
-    powersgd_rank: int
+    rank: int
+    factors: str
     comm_budget_ms: float | None
     replan_every: int
     steps: int
@@ -120,7 +121,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent, in (0, 1] (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="uncompressed steps before the codec starts")
     parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
-    parser.add_argument("--powersgd-rank", type=int, default=4, help="matrix approximation rank, >= 1 (ddp-powersgd)")
+    parser.add_argument("--rank", type=int, default=4, help="matrix approximation rank, >= 1 (lowrank, ddp-powersgd)")
+    parser.add_argument("--factors", choices=comm.lowrank.FACTORS, default="gqsgd",
+                        help="how lowrank's factors travel: gqsgd (--bits-bit Global-QSGD codes) or fp32 (as PowerSGD)")
     parser.add_argument("--comm-budget-ms", type=float,
                         help="kimad: communication time target per step, > 0 (default: the measured backward time)")
     parser.add_argument("--replan-every", type=int, default=10,
@@ -178,7 +181,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=args.warmup_steps, skip_1d=args.skip_1d,
-                         powersgd_rank=args.powersgd_rank,
+                         rank=args.rank, factors=args.factors,
                          comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
                          batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
                          replicas=args.replicas, shards=args.shards, seed=args.seed,
@@ -236,7 +239,7 @@ def check_fsdp(c: TrainConfig) -> None:
 
 def check_numbers(c: TrainConfig) -> None:
     """Ranges of every numeric setting, named as on the command line."""
-    for name in ("steps", "batch_size", "world_size", "seq_len", "powersgd_rank", "replan_every"):
+    for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every"):
         _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
     for name in ("warmup_steps", "eval_every"):
         _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
@@ -629,8 +632,8 @@ class Trainer:
         self.task = TASK_CLASSES[config.task](config)
         torch.manual_seed(config.seed)  # identical initialisation on every rank
         self.module = self.task.build_model().to(device)  # what evaluation and the report see
-        codec = dict(bits=config.bits, encoding=config.encoding, warmup_steps=config.warmup_steps,
-                     skip_1d=config.skip_1d, seed=config.seed)
+        codec = dict(bits=config.bits, encoding=config.encoding, rank=config.rank, factors=config.factors,
+                     warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed)
         if config.fsdp:  # FSDP2 inside each replica; the codec on the all-reduce across replicas
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -644,7 +647,7 @@ class Trainer:
         else:
             self.model = DistributedDataParallel(self.module, device_ids=[device] if device.type == "cuda" else None)
             if config.codec in comm.baselines.BASELINES:
-                self.comm_state = comm.baselines.register(self.model, config.codec, rank=config.powersgd_rank,
+                self.comm_state = comm.baselines.register(self.model, config.codec, rank=config.rank,
                                                           warmup_steps=config.warmup_steps)
             else:
                 self.comm_state = comm.register(self.model, config.codec, ratio=config.ratio,

@@ -146,7 +146,11 @@ class CommState:
         # A fixed codec without a header issues one collective per bucket and waits for nothing before
         # it: DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
         self._inline = not self.chooser.checked and not self.chooser.codec.needs_header and self.config.nonfinite == "raise"
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm")
+        # the threads that run codecs keep the caller's intra-op thread count: OpenMP's is per thread, and a
+        # new thread's default (every core) oversubscribes what the user set and makes matmuls run-dependent
+        self._threads = torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm",
+                                            initializer=torch.set_num_threads, initargs=(self._threads,))
         if side_stream and torch.cuda.is_available() and torch.cuda.is_initialized() and not self._inline:
             self._stream = torch.cuda.Stream()
         self._started = True
@@ -262,6 +266,8 @@ class CommState:
         def finish(_):
             try:
                 record["t_done"] = time.perf_counter()
+                if torch.get_num_threads() != self._threads:  # the collective's callback thread
+                    torch.set_num_threads(self._threads)
                 with _on_stream(self._stream, None), torch.profiler.record_function(f"netgain.decode bucket {index}"):
                     out = codec.decode(sent.value(), x, ctx)
                     if exact is not None:
