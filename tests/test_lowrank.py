@@ -70,6 +70,52 @@ def test_global_qsgd_factors_send_fewer_bytes_than_fp32_factors(runs):
     assert runs[0]["gqsgd"][2] < runs[0]["fp32"][2] / 2.5  # 10.7 bits per element instead of 32 at n = 3
 
 
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(40, 48))
+        self.bias = torch.nn.Parameter(torch.zeros(40))
+
+
+class Stack(torch.nn.Module):
+    """Three same-shaped layers: one strided group of the bucket (offsets step by one layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, step, rank):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return sum((p * torch.randn(p.shape, generator=g)).sum() for p in self.parameters())
+
+
+def stacked(rank, world_size):
+    model = DDP(Stack())
+    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0)
+    total = torch.zeros(sum(p.numel() for p in model.parameters()))
+    for step in range(STEPS):
+        model.zero_grad()
+        model(step, rank).backward()
+        total += torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    residual = state.store.local_state()
+    counts = [g.count for _, layout in state._layouts.values() for g in layout.tables[state.describe()]["groups"]]
+    state.close()
+    return total, torch.cat([residual[n].reshape(-1) for n, _ in model.module.named_parameters()]), counts
+
+
+def test_same_shaped_layers_share_one_strided_group_and_lose_nothing():
+    results = run(stacked, 2)
+    assert all(status == "ok" for status, _ in results), results
+    (total, residual, counts), (_, other_residual, _) = (value for _, value in results)
+    assert counts == [3]
+    truth = torch.zeros_like(total)
+    for step in range(STEPS):
+        for rank in range(2):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            truth += torch.cat([torch.randn(p.shape, generator=g).reshape(-1) for p in Stack().parameters()]) / 2
+    assert torch.allclose(total + (residual + other_residual) / 2, truth, atol=1e-4)
+
+
 class RankOne(torch.nn.Module):
     """A 64 x 96 weight whose gradient on rank r is (u + r) v^T: the mean is rank one too."""
 

@@ -104,7 +104,7 @@ class AdaptivePlanner:
 
         The errors come from an even sample of at most ERROR_SAMPLES elements, scaled up (gqsgd's scale
         from the whole bucket): the measuring step must not cost a pass per option over the bucket."""
-        sample = x[:: max(1, x.numel() // ERROR_SAMPLES)]
+        sample = x[:: -(-x.numel() // ERROR_SAMPLES) | 1]  # an odd stride: no lock-step with matrix rows
         scale, factor = float(x.abs().max()), x.numel() / sample.numel()
         self._local_errors[index] = [float(x.square().sum())] + [option_error(option, sample, scale) * factor
                                                                  for option in self.options]

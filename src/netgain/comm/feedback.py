@@ -24,6 +24,10 @@ class EF21:
         self.shared.index_add_(0, mean_index, mean_values)
         return out.copy_(self.shared)
 
+    def restart(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """A step sent by another codec (none, gqsgd) begins: keep this rank's gradient for `sync`."""
+        return ctx.buffer("local gradient", x.numel(), x.dtype, x.device).copy_(x)
+
     def sync(self, grad: torch.Tensor, mean: torch.Tensor) -> None:
         """After an uncompressed step both estimates are exact."""
         self.local.copy_(grad)
@@ -38,6 +42,15 @@ class LowRankMemory:
         self.local = torch.zeros(numel, device=device)
         self.shared = torch.zeros(warm_numel, device=device)
 
-    def sync(self, grad: torch.Tensor, mean: torch.Tensor) -> None:
-        """After an uncompressed step nothing is left behind (the warm start stays)."""
+    def restart(self, x: torch.Tensor, ctx) -> None:
+        """A step sent uncompressed (warm-up, a small bucket, non-finite) sends grad + e and leaves nothing
+        behind; the warm start stays. The header may have formed M = grad + e already (ctx.carry)."""
+        m = ctx.carry.get("m")
+        if m is None:
+            x.add_(self.local)
+        elif m is not x:
+            x.copy_(m)
         self.local.zero_()
+
+    def sync(self, grad: None, mean: torch.Tensor) -> None:
+        """Nothing to do: `restart` already left the residual at zero."""

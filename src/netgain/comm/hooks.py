@@ -248,7 +248,7 @@ class CommState:
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
             self.chooser.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
         restart = feedback and not codec.uses_feedback  # the memory restarts from this step's gradient
-        local_grad = ctx.buffer("local gradient", x.numel(), x.dtype, x.device).copy_(x) if restart else None
+        local_grad = ctx.feedback.restart(x, ctx) if restart else None
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
@@ -277,7 +277,7 @@ class CommState:
                         # bucket's sum is non-finite whenever an element is (also if finite values sum past
                         # the float range), and needs no bucket-sized bool tensor
                         self._nonfinite_error(index, layout, None, policy="raise")
-                    if local_grad is not None:
+                    if restart:
                         ctx.feedback.sync(local_grad, out)
                 record.update(ctx.seconds)
                 job["verdict"].set_result(None) if not job["verdict"].done() else None

@@ -5,10 +5,11 @@ rank r. One power iteration per step, warm-started from last step's Q:
     P = mean_i(M_i Q)        (round 1: allreduce)      P <- orthonormal columns of P
     Q = mean_i(M_i^T P)      (round 2: allreduce)      result P Q^T, identical on every rank
 and each rank keeps e_i = M_i - P Q^T for its next step. Both rounds are sums, so Global-QSGD can
-quantize the factors against one global scale per factor (a small MAX allreduce before each) and
-a native integer allreduce adds them up: low rank and 8 bits together, ~4x fewer bytes than
-PowerSGD's fp32 factors. Vectors and matrices too small to gain (rank r costs r (rows + cols) >=
-rows cols / 2) ride in round 1's payload through the same factor codec.
+quantize the factors against one global scale per factor (P's ride in the hook's header, Q's in
+one small MAX allreduce) and a native integer allreduce adds them up: low rank and 8 bits
+together, 3.5x fewer bytes than PowerSGD's fp32 factors at 2 workers (3x at 3-4). Vectors and
+matrices too small to gain (rank r would send more than half of rows x cols) ride in round 1's
+payload through the same factor codec.
 
 No Python loop over parameters on the hot path: same-shaped matrices whose offsets in the bucket
 step evenly (one per layer, as models lay them out) form one strided view of the bucket, and each
@@ -55,8 +56,9 @@ class LowRank(Codec):
     """PowerSGD-style rank-r compression with error feedback, warm start and orthonormalisation.
 
     factors="fp32": the factors travel as fp32 (PyTorch's powerSGD_hook); "gqsgd": as Global-QSGD
-    ``bits``-bit packed codes against a global scale per factor (unbiased rounding, 2 extra small
-    MAX allreduces). Biased (low rank), error feedback keeps what it drops. Wire bits per element
+    ``bits``-bit packed codes against a global scale per factor (unbiased rounding, one extra small
+    MAX allreduce). Every rank must compute the same QR and matmuls bit for bit: run ranks on
+    alike devices and thread counts (as PyTorch's PowerSGD requires). Biased (low rank), error feedback keeps what it drops. Wire bits per element
     of an m x n matrix: factor bits * r (m + n) / (m n); see `wire_bits`.
     """
 
@@ -88,7 +90,7 @@ class LowRank(Codec):
 
     def rounds(self, ctx: Context) -> int:
         """Collectives per bucket after the header: P, [Q's scales,] Q; only P without a matrix to compress."""
-        if not ctx.tables[self.describe()]["groups"]:
+        if not ctx.table(self.describe(), lambda: self._tables(ctx))["groups"]:
             return 1
         return 3 if self.factor_codec.needs_scales else 2
 
@@ -103,22 +105,24 @@ class LowRank(Codec):
         return LowRankMemory(layout.segments.numel, offset, device), spans
 
     def fill_shared(self, name: str, warm: torch.Tensor) -> None:
-        """A fresh warm start: Gaussian from the parameter's name, so identical on every rank and run."""
+        """A fresh warm start: Gaussian from the parameter's name, so identical on every rank, run and seed."""
         generator = torch.Generator().manual_seed(fused.name_key(name))
         warm.copy_(torch.randn(warm.numel(), generator=generator))
 
     # ---- the rounds ----------------------------------------------------------------------
     def local_scales(self, x, ctx):
-        """Round 1's local part: M = grad + e into the bucket, P = M Q per group; max |P| per parameter.
+        """Round 1's local part: M = grad + e (in the bucket, or in an fp32 buffer for a 16-bit bucket, so
+        the residual keeps its low bits), P = M Q per group; max |P| per parameter.
         (The caller times it as encoding, as it does every codec's header work.)"""
         t = ctx.table(self.describe(), lambda: self._tables(ctx))
-        x.add_(ctx.feedback.local)
+        m = x if x.dtype == torch.float32 else ctx.buffer("lowrank M", x.numel(), torch.float32, x.device)
+        torch.add(x, ctx.feedback.local, out=m)
         p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
         for g in t["groups"]:
             warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
-            p[g.p_index] = torch.bmm(g.view(x).float(), warm).reshape(-1)  # (bf16 buckets: in fp32)
-        p[t["dense_to"]] = x[t["dense_from"]].float()
-        ctx.carry.update(x=x, p=p, p_ctx=self._factor_context(ctx, t, "p"))
+            p[g.p_index] = torch.bmm(g.view(m), warm).reshape(-1)
+        p[t["dense_to"]] = m[t["dense_from"]]
+        ctx.carry.update(m=m, p=p, p_ctx=self._factor_context(ctx, t, "p"))
         return t["p_segments"].absmax(p)
 
     def encode(self, x, ctx):
@@ -136,7 +140,7 @@ class LowRank(Codec):
                 orthonormal = []
                 for g in t["groups"]:
                     basis = torch.linalg.qr(p[g.p_index].view(g.count, g.rows, self.rank)).Q
-                    q[g.q_index] = torch.bmm(g.view(carry["x"]).float().transpose(1, 2), basis).reshape(-1)
+                    q[g.q_index] = torch.bmm(g.view(carry["m"]).transpose(1, 2), basis).reshape(-1)
                     orthonormal.append(basis)
             carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
             if self.factor_codec.needs_scales:
@@ -154,10 +158,11 @@ class LowRank(Codec):
         with ctx.timed("decode_s"):
             dense = carry["p"][t["dense_to"]]  # P's buffer holds the dense parameters' mean
             for g, basis in zip(t["groups"], carry["basis"]):
-                approx = torch.bmm(basis, q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2))
-                m = g.view(out)
-                torch.sub(m, approx, out=g.view(memory.local))
-                m.copy_(approx)
+                approx = ctx.buffer("lowrank approx", g.count * g.rows * g.cols, torch.float32, out.device)
+                approx = torch.bmm(basis, q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2),
+                                   out=approx.view(g.count, g.rows, g.cols))
+                torch.sub(g.view(carry["m"]), approx, out=g.view(memory.local))
+                g.view(out).copy_(approx)
             memory.shared.copy_(q)
             out[t["dense_from"]] = dense.to(out.dtype)
             return out
@@ -199,7 +204,8 @@ class LowRank(Codec):
         else:
             segments, keys = t["q_segments"], ctx.noise_keys[t["q_params"]] ^ _Q_SALT
         return Context(ctx.world_size, segments, fused.hash32(keys), keys,
-                       tables=ctx.table(("lowrank factor tables", factor), dict), seconds=ctx.seconds)
+                       tables=ctx.table(("lowrank factor tables", factor), dict), seconds=ctx.seconds,
+                       synchronize=ctx.synchronize)
 
 
 def _matrices(layout) -> list[tuple[int, int]]:
