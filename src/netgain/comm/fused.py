@@ -20,7 +20,7 @@ import functools
 import os
 import shutil
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,7 @@ class Segments:
     fix: torch.Tensor          # int64: elements of rows with three or more parameters, and of the tail
     fix_seg: torch.Tensor      # int64: their segment ids
     column: torch.Tensor       # int32 (ROW,) 0..ROW-1: a loaded column index vectorises, an in-kernel arange does not
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # index tables kernels derive from these
 
     @property
     def count(self) -> int:
@@ -260,13 +261,17 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
                              mask, offset, s.split[first:last], s.column, f1[first:last], f2[first:last])
             if j and (j * total) % ROW and (j * total) // ROW < s.rows:
                 shared.append((j * total) // ROW)
-    index = s.fix
-    if shared:
-        rows = torch.tensor(shared, device=out.device)
-        index = torch.cat([index, (rows[:, None] * ROW + s.column).flatten()])
+    key = ("unpack elementwise", total, width)
+    if key not in s.cache:  # once per layout and word count: no per-step host-to-device copy
+        index = s.fix
+        if shared:
+            rows = torch.tensor(shared, device=out.device)
+            index = torch.cat([index, (rows[:, None] * ROW + s.column).flatten()])
+        s.cache[key] = (index, index % total, index // total * width, s.seg[index].long())
+    index, word, shift, seg = s.cache[key]
     if index.numel():
-        sums = ((words[index % total] >> (index // total * width)) & mask) - offset
-        out[index] = (sums.float() * factor[s.seg[index].long()]).to(out.dtype)
+        sums = ((words[word] >> shift) & mask) - offset
+        out[index] = (sums.float() * factor[seg]).to(out.dtype)
     return out
 
 
