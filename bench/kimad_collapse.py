@@ -8,13 +8,15 @@ A seed passes when kimad+'s final validation loss is at most 5% above fp32's. Un
 
     OMP_NUM_THREADS=1 python bench/kimad_collapse.py [--seeds 10] [--steps 300] [--jobs digits,mlp85k]
 
-Writes bench/results/kimad_collapse.md/.csv; `netgain train` records stay under runs/kimad_collapse/.
+Writes bench/results/kimad_collapse.md/.csv; `netgain train` records stay under runs/kimad_collapse/, and
+finished runs found there are reused, so an interrupted run resumes (delete the folder to start over).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import subprocess
@@ -76,28 +78,39 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Pat
             out.write_text(json.dumps({"final_val_loss": val, "final_train_loss": train.item() / WORLD_SIZE,
                                        "plans": dict(plans), "bandwidth_values": len({b for b in bandwidths if b}),
                                        "max_plan_error": max((e for e in errors if e is not None), default=None)}))
+        # DDP's reducer must die while its group lives: destroyed later, it joins gloo's threads holding
+        # the GIL that a thread still finishing the last collective needs (a hang seen at seed 4)
+        del model, state, optimizer
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def run_mlp(codec: str, seed: int, steps: int, runs: Path) -> dict:
     out = runs / f"mlp85k_{codec}_{seed}.json"
+    if out.exists():  # finished in an interrupted run
+        return json.loads(out.read_text())
     mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out), nprocs=WORLD_SIZE, join=True)
     return json.loads(out.read_text())
 
 
 def run_digits(codec: str, seed: int, steps: int, runs: Path) -> dict:
     out = runs / f"digits_{codec}_{seed}"
-    cmd = [sys.executable, "-m", "netgain.cli", "train", "--task", "digits", "--codec", codec, "--seed", str(seed),
-           "--steps", str(steps), "--eval-every", "0", "--out", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not (out / "record.json").exists():  # else finished in an interrupted run
+        subprocess.run(_train_command(codec, seed, steps, out), check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
     plans = collections.Counter(v for plan in steps_.get("plan") or [] for v in (plan or {"-": "none (first steps)"}).values())
     return {"final_val_loss": record["summary"]["final_val_loss"], "final_train_loss": record["summary"]["final_train_loss"],
             "plans": dict(plans), "bandwidth_values": len({b for b in steps_.get("bandwidth_Bps") or [] if b}),
             "max_plan_error": None}
+
+
+def _train_command(codec: str, seed: int, steps: int, out: Path) -> list[str]:
+    return [sys.executable, "-m", "netgain.cli", "train", "--task", "digits", "--codec", codec, "--seed", str(seed),
+            "--steps", str(steps), "--eval-every", "0", "--out", str(out)]
 
 
 JOBS = {"digits": run_digits, "mlp85k": run_mlp}
