@@ -21,10 +21,10 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +47,18 @@ CONTESTANTS = {
     "kimad+": ("netgain", "kimad+", {}),
 }
 LINKS = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}  # netgain.cost.network presets of the lab's rates
+PEERS = (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-powersgd-r4", "x_powersgd"))  # ratio columns
+
+
+def register_contestant(ddp, spec):
+    """Register one CONTESTANTS entry's hook on a DDP wrap; its state (None: plain DDP)."""
+    import netgain.comm as comm
+
+    if spec is None:
+        return None
+    if spec[0] == "torch":
+        return comm.baselines.register(ddp, spec[1], warmup_steps=2, **spec[2])
+    return comm.register(ddp, spec[1], **spec[2])
 
 
 # ---------------------------------------------------------------- one worker (inside the lab)
@@ -57,7 +69,6 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import netgain.comm as comm
     from netgain import models
 
     torch.set_num_threads(args.threads)
@@ -69,11 +80,8 @@ def worker(args) -> None:
         torch.manual_seed(0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        spec, state = CONTESTANTS[label], None
-        if spec is not None and spec[0] == "torch":
-            state = comm.baselines.register(ddp, spec[1], warmup_steps=2, **spec[2])
-        elif spec is not None:
-            state = comm.register(ddp, spec[1], **spec[2])
+        spec = CONTESTANTS[label]
+        state = register_contestant(ddp, spec)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         times, records = [], []
         for step in range(args.warmup + args.steps):
@@ -111,17 +119,23 @@ def worker(args) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-def run_cell(rate: str, workers: int, args) -> tuple[list[dict], float]:
+def lab_cell(script: Path, flags: list[str], rate: str, workers: int, timeout: float = 3000,
+             quiet_wait_s: float = 900) -> tuple[list[dict], float]:
+    """Wait (up to quiet_wait_s) for a quiet machine, then run `script --worker FLAGS` on every worker of a lab at `rate`.
+
+    The script's workers get `--threads` (cores / workers) and `--worker-out`, where rank 0 writes
+    its rows as JSON; the rows come back tagged with the rate and the load average waited for.
+    """
     from lab import Lab
     from provenance import wait_for_quiet
 
-    load = wait_for_quiet()
-    with tempfile.TemporaryDirectory(prefix="netgain-hook-lab-") as folder:
+    load = wait_for_quiet(wait_s=quiet_wait_s)
+    with tempfile.TemporaryDirectory(prefix="netgain-lab-cell-") as folder:
         out = Path(folder) / "rows.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-               *worker_flags(args, max(1, (os.cpu_count() or 1) // workers))]
+        cmd = [sys.executable, str(script.resolve()), "--worker", "--worker-out", str(out),
+               "--threads", str(max(1, (os.cpu_count() or 1) // workers)), *flags]
         with Lab(workers, None if rate == "none" else rate) as lab:
-            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=3000)
+            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=timeout)
         if any(codes):
             raise RuntimeError(f"lab workers failed with {codes} at {rate}, {workers} workers")
         rows = json.loads(out.read_text())
@@ -130,11 +144,41 @@ def run_cell(rate: str, workers: int, args) -> tuple[list[dict], float]:
     return rows, load
 
 
-def worker_flags(args, threads: int) -> list[str]:
-    return ["--threads", str(threads), "--rounds", str(args.rounds), "--steps", str(args.steps),
+def run_cell(rate: str, workers: int, args) -> tuple[list[dict], float]:
+    return lab_cell(Path(__file__), worker_flags(args), rate, workers)
+
+
+def worker_flags(args) -> list[str]:
+    return ["--rounds", str(args.rounds), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--hidden", str(args.hidden), "--layers", str(args.layers), "--bucket-mb", str(args.bucket_mb),
             "--contestants", *args.contestants]
+
+
+def add_ratios(row: dict, by_round: dict, label: str, value: str, peers=PEERS) -> None:
+    """row[key]: median over rounds of peer's `value` / label's `value` in the same round; key_range: min-max.
+
+    Rounds where the ratio is undefined (both values infinite) are left out.
+    """
+    for peer, key in peers:
+        ratios = [rounds[peer][value] / rounds[label][value] for rounds in by_round.values()
+                  if peer in rounds and label in rounds]
+        ratios = [r for r in ratios if not math.isnan(r)]
+        if ratios:
+            row[key] = statistics.median(ratios)
+            row[key + "_range"] = (min(ratios), max(ratios))
+
+
+def format_ratio(summary: dict, key: str) -> str:
+    """"median (min-max)" of an add_ratios column, "" where the contestant has none."""
+    if key not in summary:
+        return ""
+    low, high = summary[key + "_range"]
+    return f"{summary[key]:.2f} ({low:.2f}-{high:.2f})"
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch threads per worker = cores / workers"
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -154,12 +198,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                    "wire_MB": mine[-1]["wire_bytes"] / 1e6,
                    "codec_ms": None if mine[-1]["encode_s"] is None else
                    1e3 * statistics.median(r["encode_s"] + r["decode_s"] for r in mine)}
-            for peer, key in (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-powersgd-r4", "x_powersgd")):
-                ratios = [rounds[peer]["step_s"] / rounds[label]["step_s"] for rounds in by_round.values()
-                          if peer in rounds and label in rounds]
-                if ratios:
-                    row[key] = statistics.median(ratios)
-                    row[key + "_range"] = (min(ratios), max(ratios))
+            add_ratios(row, by_round, label, "step_s")
             out.append(row)
     return out
 
@@ -219,10 +258,9 @@ def report(rows, summary, predicted, meta, out: Path) -> None:
              "| rate | workers | load | contestant | step s (min-max) | wire MB | codec ms | x fp32 DDP | x fp16_compress_hook | x powerSGD r4 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        ratio = lambda key: "" if key not in s else f"{s[key]:.2f} ({s[key + '_range'][0]:.2f}-{s[key + '_range'][1]:.2f})"  # noqa: E731
         lines.append(f"| {s['rate']} | {s['workers']} | {s['load']:.2f} | {s['contestant']} | {s['step_s']:.3f} "
                      f"({s['step_min']:.3f}-{s['step_max']:.3f}) | {s['wire_MB']:.2f} | {fmt(s['codec_ms'], '.1f')} | "
-                     f"{ratio('x_ddp')} | {ratio('x_fp16_hook')} | {ratio('x_powersgd')} |")
+                     f"{format_ratio(s, 'x_ddp')} | {format_ratio(s, 'x_fp16_hook')} | {format_ratio(s, 'x_powersgd')} |")
     if predicted:
         lines += ["", "Cost model (netgain.cost.network.predict from each row's measured wire bytes and codec time; "
                   "compute = fp32 DDP's step at no rate limit, same model: "
@@ -279,7 +317,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"{r['label']} {r['step_s']:.3f}s" for r in cell), flush=True)
             rows += cell
     meta = {"title": "netgain hook vs PyTorch's DDP hooks on the lab (interleaved)",
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per worker = cores / workers",
+            "machine": machine(),
             "commit": git_commit(), "command": "python " + " ".join(sys.argv),
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "rounds", "steps", "warmup",
                                              "bucket_mb")}}

@@ -1,0 +1,507 @@
+"""Time to a target validation loss on the lab: netgain's codecs against PyTorch's DDP hooks.
+
+Why: users want to reach a target loss sooner. Samples/s alone rewards throwing information away,
+and a loss at a fixed step count ignores time. Every contestant trains the same byte-level Llama
+from the same initial weights on the same batches of real text (the Python standard library's
+source, `netgain train`'s default corpus, every 10th file held out) with AdamW, until its
+validation loss reaches the target or a step cap of `--cap` x T. The target is the validation
+loss fp32 DDP reaches at step T (`--target-step`): ddp trains first in round 0 and sets it.
+Time to target = the sum of the step times (validations excluded) up to where the validation loss
+crosses the target, interpolated linearly between the last validation above it and the first at or
+below it (validations: every `--eval-every` steps, on a fixed set of held-out windows, the same for
+every contestant), so that a contestant a hair above the target at a validation is not charged
+`--eval-every` whole steps.
+
+As in bench/hook_lab.py, the workers start once per (rate, world size) cell and train every
+contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
+round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time.
+`netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
+step timed here and the cell's lab link) is made before the run and always runs as a contestant.
+
+    python bench/time_to_accuracy.py                                   # root: the issue's grid
+    python bench/time_to_accuracy.py --rates 100mbit --workers 2 --contestants ddp ddp-fp16 gqsgd-8
+
+Writes OUT.md, OUT.csv, OUT.json and OUT.png (OUT defaults to bench/results/time_to_accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from hook_lab import LINKS, add_ratios, format_ratio, lab_cell, machine, register_contestant  # noqa: E402
+
+# label -> how the contestant's hook is registered ("ddp": plain DDP, no hook; "bf16-hook": PyTorch's
+# bf16_compress_hook, which netgain.comm.baselines does not wrap). Not here: batched_powerSGD_hook,
+# which fails in torch 2.13 (_orthogonalize asserts a batch of matrices and is given one matrix).
+CONTESTANTS = {
+    "ddp": None,
+    "ddp-fp16": ("torch", "ddp-fp16", {}),
+    "ddp-bf16": ("bf16-hook",),
+    "ddp-powersgd-r4": ("torch", "ddp-powersgd", {"rank": 4}),
+    "ddp-powersgd-r32": ("torch", "ddp-powersgd", {"rank": 32}),
+    "none": ("netgain", "none", {}),
+    "fp16": ("netgain", "fp16", {}),
+    "bf16": ("netgain", "bf16", {}),
+    "qsgd-8": ("netgain", "qsgd", {"bits": 8}),
+    "gqsgd-8": ("netgain", "gqsgd", {"bits": 8}),
+    "gqsgd-8-int8": ("netgain", "gqsgd", {"bits": 8, "encoding": "int8"}),
+    "gqsgd-4": ("netgain", "gqsgd", {"bits": 4}),
+    "gqsgd-2": ("netgain", "gqsgd", {"bits": 2}),
+    "gqsgd-exp-8": ("netgain", "gqsgd-exp", {"bits": 8}),
+    "topk-1%": ("netgain", "topk", {"ratio": 0.01}),
+    "randomk-1%": ("netgain", "randomk", {"ratio": 0.01}),
+    "lowrank-r4-fp32": ("netgain", "lowrank", {"rank": 4, "factors": "fp32"}),
+    "lowrank-r4-gqsgd8": ("netgain", "lowrank", {"rank": 4, "factors": "gqsgd", "bits": 8}),
+    "kimad+": ("netgain", "kimad+", {}),
+    "kimad": ("netgain", "kimad", {}),
+}
+DEFAULT_CONTESTANTS = ["ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r4", "ddp-powersgd-r32", "fp16", "gqsgd-8",
+                       "gqsgd-4", "gqsgd-2", "gqsgd-exp-8", "topk-1%", "randomk-1%", "lowrank-r4-fp32", "lowrank-r4-gqsgd8",
+                       "kimad+", "kimad"]
+# ratio columns: every PyTorch hook, time to target of the hook / the contestant's, same round
+PEERS = (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-bf16", "x_bf16_hook"),
+         ("ddp-powersgd-r4", "x_powersgd_r4"), ("ddp-powersgd-r32", "x_powersgd_r32"))
+PEER_TITLES = {"x_ddp": "x fp32 DDP", "x_fp16_hook": "x fp16_compress_hook", "x_bf16_hook": "x bf16_compress_hook",
+               "x_powersgd_r4": "x powerSGD r4", "x_powersgd_r32": "x powerSGD r32"}
+WITHIN = 1.10  # the pick counts as right within 10% of the fastest time to target
+
+
+class BF16Hook:
+    """PyTorch's bf16_compress_hook, counting the bytes it hands to its allreduce (2 per element)."""
+
+    def __init__(self, ddp):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.inner, self.last_step, self._wire = default_hooks.bf16_compress_hook, {}, 0
+        ddp.register_comm_hook(self, BF16Hook.hook)
+
+    @staticmethod
+    def hook(state: "BF16Hook", bucket):
+        state._wire += 2 * bucket.buffer().numel()
+        if bucket.is_last():
+            state.last_step, state._wire = {"wire_bytes": state._wire}, 0
+        return state.inner(None, bucket)
+
+    def close(self) -> None:
+        """Nothing to drain (same interface as CommState)."""
+
+
+def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
+    """(step, seconds) where the validation curve [(step, seconds, loss)] first reaches the target, interpolated."""
+    for (s0, t0, l0), (s1, t1, l1) in zip(curve, curve[1:]):
+        if l1 <= target:  # l0 > target, or the crossing would have come earlier
+            share = (l0 - target) / (l0 - l1)
+            return s0 + share * (s1 - s0), t0 + share * (t1 - t0)
+    return None
+
+
+def register(ddp, spec):
+    if spec is not None and spec[0] == "bf16-hook":
+        return BF16Hook(ddp)
+    return register_contestant(ddp, spec)
+
+
+# ---------------------------------------------------------------- one worker (inside the lab)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from netgain import data, models
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
+    validation = corpus.validation_batches(args.eval_batches, args.eval_batch_size, args.seq_len)[rank::world]
+
+    def validate(model) -> float:
+        """Mean loss over the fixed validation batches, each rank a share of them."""
+        model.eval()
+        with torch.no_grad():
+            total = torch.tensor([sum(model(input_ids=b, labels=b).loss.item() for b in validation),
+                                  len(validation)], dtype=torch.float64)
+        model.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def train(label: str, steps: int, target: float | None = None, eval_every: int = 0) -> dict:
+        """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target."""
+        torch.manual_seed(0)
+        model = models.byte_llama(args.hidden, args.layers, args.seq_len)
+        numel = sum(p.numel() for p in model.parameters())
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        state = register(ddp, CONTESTANTS[label])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        train_s, eval_s, wire = 0.0, 0.0, []
+        curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
+        for step in range(steps):
+            ids = corpus.train_batch(args.seed, step, rank, world, args.batch_size, args.seq_len)
+            dist.barrier()
+            start = time.perf_counter()
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_s += time.perf_counter() - start
+            wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
+            if eval_every and (step + 1) % eval_every == 0:
+                start = time.perf_counter()
+                curve.append((step + 1, train_s, validate(model)))
+                eval_s += time.perf_counter() - start
+                if target is not None and curve[-1][2] <= target:
+                    break
+        if state is not None:
+            state.close()
+        return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire),
+                "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
+                "samples_s": len(wire) * args.batch_size * world / train_s}
+
+    for label in args.contestants:  # compile, first allocations: untimed, discarded
+        train(label, args.warmup)
+    rows, target, first_round = [], None, time.perf_counter()
+    for round_ in range(args.rounds):
+        round_start = time.perf_counter()
+        for label in args.contestants:  # ddp first: round 0's sets the target
+            if target is None:
+                row = train(label, args.target_step, eval_every=args.eval_every)
+                target = row["curve"][-1][2]
+            else:
+                row = train(label, args.cap * args.target_step, target, args.eval_every)
+            first = crossing(row["curve"], target)
+            row.update(round=round_, target=target, reached=first is not None, final_loss=row["curve"][-1][2],
+                       steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf)
+            rows.append(row)
+            if rank == 0:
+                outcome = (f"target {target:.4f} at step {first[0]:.1f}, {first[1]:.1f} s" if first else
+                           f"val {row['final_loss']:.4f} > target {target:.4f} after {row['steps']} steps")
+                print(f"round {round_} {label}: {outcome}; {row['train_s']:.1f} s training, {row['eval_s']:.1f} s "
+                      f"validating, {row['wire_bytes'] / 1e6:.3f} MB/step", flush=True)
+        now = time.perf_counter()  # would another round like this one overrun --max-minutes? rank 0 decides
+        stop = torch.tensor(float(args.max_minutes is not None
+                                  and 2 * now - round_start - first_round > 60 * args.max_minutes))
+        dist.broadcast(stop, 0)
+        if stop.item():
+            break
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- netgain model's pick, before the run
+
+
+def measure_compute(args, workers: int) -> float:
+    """Median forward + backward + AdamW step of one worker's batch, no DDP, cores / workers threads."""
+    import torch
+
+    from netgain import data, models
+
+    corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.manual_seed(0)
+    model = models.byte_llama(args.hidden, args.layers, args.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    times = []
+    for step in range(args.warmup + 10):
+        ids = corpus.train_batch(args.seed, step, 0, workers, args.batch_size, args.seq_len)
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return statistics.median(times[args.warmup:])
+
+
+def lab_link(rate: str):
+    """The cost model's link for a lab rate: its preset, else the nearer preset's fit scaled to the rate's bandwidth."""
+    from lab import parse_rate
+    from netgain.cost import network as net
+
+    if rate in LINKS:
+        return net.preset(LINKS[rate])
+    bps = parse_rate(rate)
+    base = "1gbit" if bps >= 1e9 else "100mbit"
+    link = net.preset(LINKS[base])
+    return dataclasses.replace(link, name=f"lab-{rate}", bandwidth=link.bandwidth * bps / parse_rate(base),
+                               note=f"{link.name} with its bandwidth scaled to {rate} (no preset fitted)")
+
+
+@functools.cache
+def codec_profiles(workers: int, cost: str):
+    from netgain.comm.codecs import candidate_profiles
+
+    return tuple(candidate_profiles(workers, cost))
+
+
+def label_of(profile_name: str, workers: int) -> str | None:
+    """The contestant that runs the codec `netgain model` names."""
+    import netgain.comm as comm
+
+    for label, spec in CONTESTANTS.items():
+        if spec is None or spec[0] != "netgain":
+            continue
+        try:
+            codec = comm.make_codec(spec[1], **spec[2])
+        except (TypeError, ValueError):  # kimad, codecs make_codec does not build
+            continue
+        if comm.codec_profile(codec, workers, "free").name == profile_name:
+            return label
+    return None
+
+
+def pick(rate: str, workers: int, args, sizes: list[int], compute_s: float) -> dict:
+    """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
+    on this model's own parameter sizes."""
+    from netgain.cost import advise
+    from netgain.cost import network as net
+
+    buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, args.bucket_mb, args.bucket_mb)))
+    link = lab_link(rate)
+    rows = advise.evaluate(buckets, workers, link, compute_s, list(codec_profiles(workers, args.codec_cost)),
+                           "auto", tensors)
+    chosen = advise.recommend(rows)
+    return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
+            "codec": chosen.profile.name, "label": label_of(chosen.profile.name, workers),
+            "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup}
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def worker_flags(args, contestants: list[str]) -> list[str]:
+    return ["--rounds", str(args.rounds), "--target-step", str(args.target_step), "--cap", str(args.cap),
+            "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
+            "--eval-batch-size", str(args.eval_batch_size), "--warmup", str(args.warmup), "--lr", str(args.lr),
+            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--hidden", str(args.hidden), "--layers", str(args.layers), "--bucket-mb", str(args.bucket_mb),
+            *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else []),
+            "--contestants", *contestants]
+
+
+def summarise(rows: list[dict], picks: dict) -> list[dict]:
+    """Per cell and contestant: medians and min-max over rounds; time-to-target ratios per round vs every PyTorch hook."""
+    out = []
+    for rate, workers in dict.fromkeys((r["rate"], r["workers"]) for r in rows):
+        cell = [r for r in rows if (r["rate"], r["workers"]) == (rate, workers)]
+        by_round = {}
+        for r in cell:
+            by_round.setdefault(r["round"], {})[r["label"]] = r
+        for label in dict.fromkeys(r["label"] for r in cell):
+            mine = [r for r in cell if r["label"] == label]
+            times = [r["time_to_target"] for r in mine]
+            reached = [r["steps_to_target"] for r in mine if r["reached"]]
+            row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
+                   "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
+                   "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
+                   "steps_to_target": statistics.median(reached) if reached else None,
+                   "samples_s": statistics.median(r["samples_s"] for r in mine),
+                   "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
+                   "final_loss": statistics.median(r["final_loss"] for r in mine),
+                   "pick": picks.get((rate, workers), {}).get("label") == label}
+            add_ratios(row, by_round, label, "time_to_target", PEERS)
+            out.append(row)
+    return out
+
+
+def verdicts(summary: list[dict], picks: dict) -> list[str]:
+    """Per cell: the fastest to target, whether netgain model's pick is within 10% of it, and unresolved orders."""
+    lines = []
+    for (rate, workers), chosen in picks.items():
+        cell = sorted((s for s in summary if (s["rate"], s["workers"]) == (rate, workers)), key=lambda s: s["tta_s"])
+        if not cell:
+            continue
+        best, mine = cell[0], next((s for s in cell if s["contestant"] == chosen["label"]), None)
+        verdict = ("was not run" if mine is None else f"{mine['tta_s']:.1f} s, "
+                   + ("within 10% of the fastest" if mine["tta_s"] <= WITHIN * best["tta_s"] else
+                      f"{mine['tta_s'] / best['tta_s']:.2f}x the fastest's time" if math.isfinite(mine["tta_s"])
+                      else "did not reach the target"))
+        lines.append(f"{rate}, {workers} workers: fastest to target {best['contestant']} ({best['tta_s']:.1f} s); "
+                     f"netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; predicted step "
+                     f"{chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): {verdict}.")
+        for a, b in zip(cell, cell[1:]):
+            if math.isfinite(b["tta_s"]) and b["tta_min"] <= a["tta_max"]:
+                lines.append(f"{rate}, {workers} workers: {a['contestant']} ({a['tta_s']:.1f} s) before "
+                             f"{b['contestant']} ({b['tta_s']:.1f} s) is within the spread over rounds "
+                             f"({a['tta_min']:.1f}-{a['tta_max']:.1f} vs {b['tta_min']:.1f}-{b['tta_max']:.1f} s).")
+    return lines
+
+
+def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys((s["rate"], s["workers"]) for s in summary))
+    fig, axes = plt.subplots(len(cells), 2, figsize=(15, 5 * len(cells)), squeeze=False)
+    colors = dict(zip(dict.fromkeys(s["contestant"] for s in summary), plt.cm.tab20.colors))
+    for (rate, workers), (bars, curves) in zip(cells, axes):
+        mine = [s for s in summary if (s["rate"], s["workers"]) == (rate, workers)]
+        for i, s in enumerate(mine):
+            if math.isfinite(s["tta_s"]):
+                high = s["tta_max"] if math.isfinite(s["tta_max"]) else s["tta_s"]
+                bars.bar(i, s["tta_s"], color=colors[s["contestant"]], capsize=3,
+                         yerr=[[s["tta_s"] - s["tta_min"]], [high - s["tta_s"]]])
+            else:
+                bars.text(i, 0, "not reached", rotation=90, ha="center", va="bottom")
+        bars.set_xticks(range(len(mine)), [s["contestant"] for s in mine], rotation=60, ha="right")
+        bars.set_ylabel("time to target, s (median, min-max)")
+        bars.set_title(f"{rate}, {workers} workers: time to fp32 DDP's validation loss at its step T")
+        for r in (r for r in rows if (r["rate"], r["workers"]) == (rate, workers)):
+            _, seconds, losses = zip(*r["curve"])
+            curves.plot(seconds, losses, color=colors[r["label"]], alpha=0.8, lw=1,
+                        label=r["label"] if r["round"] == 0 else None)
+        curves.axhline(mine[0]["target"], color="k", ls="--", lw=0.8, label="target")
+        curves.set_xlabel("training time (validations excluded), s")
+        curves.set_ylabel("validation loss")
+        curves.set_ylim(top=mine[0]["target"] + 0.6)
+        curves.set_title(f"{rate}, {workers} workers: validation loss vs time, every round")
+        curves.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(rows, summary, picks, meta, out: Path) -> None:
+    from provenance import write_csv
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "picks": list(picks.values()), "summary": summary,
+                                               "rows": rows}, indent=1))
+    write_csv(Path(f"{out}.csv"), summary, fieldnames=list(dict.fromkeys(k for s in summary for k in s)))
+    plot(rows, summary, Path(f"{out}.png"))
+    peers = [key for _, key in PEERS if any(key in s for s in summary)]
+    fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
+    lines = [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`.",
+             "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + ".",
+             f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
+             f"parameters), batch {meta['batch_size']} x {meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}, "
+             f"DDP buckets of {meta['bucket_mb']} MB; text: the Python standard library's source, every 10th file "
+             f"held out. Validation: {meta['eval_batches']} x {meta['eval_batch_size']} x {meta['seq_len']} held-out "
+             f"bytes every {meta['eval_every']} steps. Target: fp32 DDP's validation loss at step {meta['target_step']} "
+             f"(round 0); step cap {meta['cap']} x {meta['target_step']}. Up to {meta['rounds']} rounds per cell"
+             f"{'' if meta['max_minutes'] is None else ' within ' + format(meta['max_minutes'], 'g') + ' minutes'}, contestants "
+             f"interleaved within each (ddp first), each from the same initial model; {meta['warmup']} untimed "
+             "throwaway steps per contestant before round 0.",
+             "Time to target: the sum of step times (barrier to optimizer step; validations excluded) up to the target's "
+             "crossing, interpolated between the last validation above it and the first at or below it (steps to "
+             "target likewise); median over rounds (min-max), 'not reached' counted as infinite. "
+             "x HOOK: per-round ratio of the hook's time to target to the contestant's (> 1: sooner than the hook), "
+             "median (min-max); 0.00: the contestant did not reach the target, inf: the hook did not. "
+             "Samples/s, wire MB/step (mean over the steps trained), final validation loss: medians over rounds."]
+    for (rate, workers), chosen in picks.items():
+        mine = [s for s in summary if (s["rate"], s["workers"]) == (rate, workers)]
+        if not mine:
+            continue
+        rounds = 1 + max(r["round"] for r in rows if (r["rate"], r["workers"]) == (rate, workers))
+        lines += ["", f"## {rate}, {workers} workers", "",
+                  f"{rounds} rounds. Target {mine[0]['target']:.4f}. netgain model's pick, before the run: "
+                  f"**{chosen['codec']}** "
+                  f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
+                  f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
+                  f"(timed here), codec cost {meta['codec_cost']}.", "",
+                  "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
+                  + " | steps to target | samples/s | wire MB/step | final val loss |",
+                  "|---|---|---|" + "---|" * len(peers) + "---|---|---|---|"]
+        for s in mine:
+            spread = "" if s["tta_s"] == math.inf else f" ({fmt(s['tta_min'], '.1f')}-{fmt(s['tta_max'], '.1f')})"
+            lines.append(f"| {s['contestant']}{' (pick)' if s['pick'] else ''} | {s['reached']} | "
+                         f"{fmt(s['tta_s'], '.1f')}{spread} | "
+                         + " | ".join(format_ratio(s, k) for k in peers)
+                         + f" | {fmt(s['steps_to_target'], '.1f')} | {s['samples_s']:.2f} | {s['wire_MB']:.3f} | "
+                         f"{s['final_loss']:.4f} |")
+    lines += ["", "## Verdicts", ""] + [f"- {line}" for line in verdicts(summary, picks)]
+    lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", default=["50mbit", "100mbit", "1gbit"], help="lab egress rates per worker")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--contestants", nargs="+", default=DEFAULT_CONTESTANTS, choices=list(CONTESTANTS),
+                        help="ddp always runs (first): it sets the target")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--target-step", type=int, default=120, help="T: the target is fp32 DDP's loss at step T")
+    parser.add_argument("--cap", type=int, default=3, help="train at most CAP x T steps")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed throwaway steps per contestant before round 0")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="batches are a function of (seed, step, rank)")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
+    parser.add_argument("--max-minutes", type=float,
+                        help="per cell, from its first round: start no round that would end later than this "
+                        "(as long as the last one took; the report says how many ran)")
+    parser.add_argument("--codec-cost", choices=("calibrate", "free"), default="calibrate",
+                        help="netgain model's codec cost for the pick (its default on cpu: timed on this machine)")
+    parser.add_argument("--quiet-wait", type=float, default=900,
+                        help="seconds to wait for a load average below 1.0 before each cell (0: do not wait)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "time_to_accuracy")
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every:
+        parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step a multiple of --eval-every")
+    if "none" in args.rates:
+        parser.error("--rates: netgain model's pick needs a shaped link, and 'none' is not one")
+    if args.worker:
+        worker(args)
+        return 0
+    from netgain import models
+    from provenance import git_commit, wait_for_quiet
+
+    commit, contestants = git_commit(), list(dict.fromkeys(["ddp", *args.contestants]))
+    sizes = [p.numel() for p in models.byte_llama(args.hidden, args.layers, args.seq_len).parameters()]
+    picks, compute, load = {}, {}, {"before the picks": wait_for_quiet(wait_s=args.quiet_wait)}
+    for workers in args.workers:
+        compute[workers] = measure_compute(args, workers)
+        for rate in args.rates:
+            picks[(rate, workers)] = pick(rate, workers, args, sizes, compute[workers])
+            print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
+                  f"(contestant {picks[(rate, workers)]['label']})", flush=True)
+    rows = []
+    for workers in args.workers:
+        for rate in args.rates:
+            chosen = picks[(rate, workers)]["label"]
+            cell_contestants = contestants + ([chosen] if chosen and chosen not in contestants else [])
+            cell, load[f"before {rate}, {workers} workers"] = lab_cell(
+                Path(__file__), worker_flags(args, cell_contestants), rate, workers, timeout=4 * 3600,
+                quiet_wait_s=args.quiet_wait)
+            rows += cell
+    meta = {"title": "Time to target validation loss on the lab: netgain codecs vs PyTorch's DDP hooks (interleaved)",
+            "machine": machine(), "commit": commit, "command": "python " + " ".join(sys.argv), "load": load,
+            "compute_s": compute, "codec_cost": args.codec_cost,
+            **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "lr", "rounds", "target_step",
+                                             "cap", "eval_every", "eval_batches", "eval_batch_size", "warmup",
+                                             "bucket_mb", "max_minutes")}}
+    report(rows, summarise(rows, picks), picks, meta, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
