@@ -328,10 +328,14 @@ def verdicts(summary: list[dict], picks: dict) -> list[str]:
         if not cell:
             continue
         best, mine = cell[0], next((s for s in cell if s["contestant"] == chosen["label"]), None)
-        verdict = ("was not run" if mine is None else f"{mine['tta_s']:.1f} s, "
-                   + ("within 10% of the fastest" if mine["tta_s"] <= WITHIN * best["tta_s"] else
-                      f"{mine['tta_s'] / best['tta_s']:.2f}x the fastest's time" if math.isfinite(mine["tta_s"])
-                      else "did not reach the target"))
+        if mine is None:
+            verdict = "it was not run"
+        elif not math.isfinite(mine["tta_s"]):
+            verdict = f"it did not reach the target (reached in {mine['reached']} rounds)"
+        elif mine["tta_s"] <= WITHIN * best["tta_s"]:
+            verdict = f"{mine['tta_s']:.1f} s, within 10% of the fastest"
+        else:
+            verdict = f"{mine['tta_s']:.1f} s, {mine['tta_s'] / best['tta_s']:.2f}x the fastest's time"
         lines.append(f"{rate}, {workers} workers: fastest to target {best['contestant']} ({best['tta_s']:.1f} s); "
                      f"netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; predicted step "
                      f"{chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): {verdict}.")
