@@ -250,7 +250,7 @@ def codec_profiles(workers: int, cost: str):
     return tuple(candidate_profiles(workers, cost))
 
 
-def label_of(profile_name: str, workers: int) -> str | None:
+def label_of(profile_name: str) -> str | None:
     """The contestant that runs the codec `netgain model` names."""
     import netgain.comm as comm
 
@@ -261,7 +261,7 @@ def label_of(profile_name: str, workers: int) -> str | None:
             codec = comm.make_codec(spec[1], **spec[2])
         except (TypeError, ValueError):  # kimad, codecs make_codec does not build
             continue
-        if comm.codec_profile(codec, workers, "free").name == profile_name:
+        if codec.describe() == profile_name:  # a profile is named by its codec's describe()
             return label
     return None
 
@@ -278,7 +278,7 @@ def pick(rate: str, workers: int, args, sizes: list[int], compute_s: float) -> d
                            "auto", tensors)
     chosen = advise.recommend(rows)
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
-            "codec": chosen.profile.name, "label": label_of(chosen.profile.name, workers),
+            "codec": chosen.profile.name, "label": label_of(chosen.profile.name),
             "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup}
 
 
