@@ -181,25 +181,29 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, torch threads per worker = cores / workers"
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per cell and contestant: median step and min-max over rounds; speed-ups per round vs ddp, fp16, PowerSGD."""
-    out = []
-    cells = sorted({(r["rate"], r["workers"]) for r in rows}, key=str)
-    for rate, workers in cells:
+def per_contestant(rows: list[dict]):
+    """Cell by cell (in run order), each contestant: (rate, workers, label, its rows, the cell's rows by round and label)."""
+    for rate, workers in dict.fromkeys((r["rate"], r["workers"]) for r in rows):
         cell = [r for r in rows if (r["rate"], r["workers"]) == (rate, workers)]
         by_round = {}
         for r in cell:
             by_round.setdefault(r["round"], {})[r["label"]] = r
         for label in dict.fromkeys(r["label"] for r in cell):
-            mine = [r for r in cell if r["label"] == label]
-            steps = [r["step_s"] for r in mine]
-            row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
-                   "step_s": statistics.median(steps), "step_min": min(steps), "step_max": max(steps),
-                   "wire_MB": mine[-1]["wire_bytes"] / 1e6,
-                   "codec_ms": None if mine[-1]["encode_s"] is None else
-                   1e3 * statistics.median(r["encode_s"] + r["decode_s"] for r in mine)}
-            add_ratios(row, by_round, label, "step_s")
-            out.append(row)
+            yield rate, workers, label, [r for r in cell if r["label"] == label], by_round
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per cell and contestant: median step and min-max over rounds; speed-ups per round vs ddp, fp16, PowerSGD."""
+    out = []
+    for rate, workers, label, mine, by_round in per_contestant(rows):
+        steps = [r["step_s"] for r in mine]
+        row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
+               "step_s": statistics.median(steps), "step_min": min(steps), "step_max": max(steps),
+               "wire_MB": mine[-1]["wire_bytes"] / 1e6,
+               "codec_ms": None if mine[-1]["encode_s"] is None else
+               1e3 * statistics.median(r["encode_s"] + r["decode_s"] for r in mine)}
+        add_ratios(row, by_round, label, "step_s")
+        out.append(row)
     return out
 
 

@@ -40,7 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from hook_lab import LINKS, add_ratios, format_ratio, lab_cell, machine, register_contestant  # noqa: E402
+from hook_lab import (LINKS, add_ratios, format_ratio, lab_cell, machine, per_contestant,  # noqa: E402
+                      register_contestant)
 
 # label -> how the contestant's hook is registered ("ddp": plain DDP, no hook; "bf16-hook": PyTorch's
 # bf16_compress_hook, which netgain.comm.baselines does not wrap). Not here: batched_powerSGD_hook,
@@ -298,25 +299,19 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
 def summarise(rows: list[dict], picks: dict) -> list[dict]:
     """Per cell and contestant: medians and min-max over rounds; time-to-target ratios per round vs every PyTorch hook."""
     out = []
-    for rate, workers in dict.fromkeys((r["rate"], r["workers"]) for r in rows):
-        cell = [r for r in rows if (r["rate"], r["workers"]) == (rate, workers)]
-        by_round = {}
-        for r in cell:
-            by_round.setdefault(r["round"], {})[r["label"]] = r
-        for label in dict.fromkeys(r["label"] for r in cell):
-            mine = [r for r in cell if r["label"] == label]
-            times = [r["time_to_target"] for r in mine]
-            reached = [r["steps_to_target"] for r in mine if r["reached"]]
-            row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
-                   "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
-                   "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
-                   "steps_to_target": statistics.median(reached) if reached else None,
-                   "samples_s": statistics.median(r["samples_s"] for r in mine),
-                   "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
-                   "final_loss": statistics.median(r["final_loss"] for r in mine),
-                   "pick": picks.get((rate, workers), {}).get("label") == label}
-            add_ratios(row, by_round, label, "time_to_target", PEERS)
-            out.append(row)
+    for rate, workers, label, mine, by_round in per_contestant(rows):
+        times = [r["time_to_target"] for r in mine]
+        reached = [r["steps_to_target"] for r in mine if r["reached"]]
+        row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
+               "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
+               "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
+               "steps_to_target": statistics.median(reached) if reached else None,
+               "samples_s": statistics.median(r["samples_s"] for r in mine),
+               "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
+               "final_loss": statistics.median(r["final_loss"] for r in mine),
+               "pick": picks.get((rate, workers), {}).get("label") == label}
+        add_ratios(row, by_round, label, "time_to_target", PEERS)
+        out.append(row)
     return out
 
 
