@@ -18,6 +18,7 @@ shape group costs one batched matmul per round.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -212,14 +213,7 @@ def _matrices(layout) -> list[tuple[int, int]]:
     """(rows, cols) of every parameter as PowerSGD sees it (dim 0 by the rest), (0, 0) for vectors."""
     if layout.shapes is None:
         raise ValueError("lowrank needs the parameters' shapes (a bucket layout from DDP)")
-    return [(shape[0], _numel(shape) // shape[0]) if len(shape) >= 2 and shape[0] else (0, 0) for shape in layout.shapes]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return [(shape[0], math.prod(shape) // shape[0]) if len(shape) >= 2 and shape[0] else (0, 0) for shape in layout.shapes]
 
 
 def _even_runs(members: list[int], offsets: list[int]) -> list[list[int]]:
