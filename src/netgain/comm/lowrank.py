@@ -18,6 +18,7 @@ shape group costs one batched matmul per round.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -98,12 +99,13 @@ class LowRank(Codec):
     # ---- state: the store calls these once per bucket layout -------------------------------------
     def memory(self, layout, device) -> tuple[LowRankMemory, list[tuple[int, int]]]:
         """The layout's state and, per parameter, the span of its warm-start Q in the shared buffer."""
-        spans, offset = [], 0
-        for rows, cols in _matrices(layout):
-            size = cols * self.rank if rows and self.compresses(rows, cols) else 0
-            spans.append((offset, size))
-            offset += size
-        return LowRankMemory(layout.segments.numel, offset, device), spans
+        spans = self._warm_spans(_matrices(layout))
+        return LowRankMemory(layout.segments.numel, sum(size for _, size in spans), device), spans
+
+    def _warm_spans(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(offset, size) of each parameter's Q in the warm start and in round 2's payload (0 if not compressed)."""
+        sizes = [cols * self.rank if rows and self.compresses(rows, cols) else 0 for rows, cols in shapes]
+        return list(zip(itertools.accumulate([0] + sizes[:-1]), sizes))
 
     def fill_shared(self, name: str, warm: torch.Tensor) -> None:
         """A fresh warm start: Gaussian from the parameter's name, so identical on every rank, run and seed."""
@@ -175,9 +177,10 @@ class LowRank(Codec):
         shapes = _matrices(layout)
         compressed = [bool(rows) and self.compresses(rows, cols) for rows, cols in shapes]
         p_sizes = [rows * r if c else numel for (rows, _), (_, numel), c in zip(shapes, layout.spans, compressed)]
-        p_starts = torch.tensor([0] + p_sizes[:-1]).cumsum(0).tolist()
-        q_sizes = [cols * r for (_, cols), c in zip(shapes, compressed) if c]
-        q_starts = dict(zip([i for i, c in enumerate(compressed) if c], torch.tensor([0] + q_sizes[:-1]).cumsum(0).tolist()))
+        p_starts = list(itertools.accumulate([0] + p_sizes[:-1]))
+        warm = self._warm_spans(shapes)
+        q_sizes = [size for (_, size), c in zip(warm, compressed) if c]
+        q_starts = {i: at for i, (at, _) in enumerate(warm)}
         families = defaultdict(list)  # same shape and name up to layer numbers: evenly spaced, usually
         for i, c in enumerate(compressed):
             if c:
