@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from netgain.comm import fused
-from netgain.comm.codecs import SETTINGS as VARIANTS, make_codec, time_codec
+from netgain.comm.codecs import SETTINGS as VARIANTS, bucket_wire_bits, make_codec, time_codec
 from provenance import git_commit, write_csv
 
 
@@ -80,7 +80,7 @@ def main():
                     total = t["encode_s"] + t["decode_s"]
                     first = time.perf_counter() - start - args.repeats * total  # the untimed call, less one timed
                     rows.append({"codec": codec.describe(), "numel": numel, "threads": threads, "world_size": n,
-                                 "wire_bits": round(codec.wire_bits(n), 3),
+                                 "wire_bits": round(bucket_wire_bits(codec, numel, n, args.parameters), 3),
                                  "encode_ms_per_M": round(t["encode_s"] * per_million * 1e3, 3),
                                  "decode_ms_per_M": round(t["decode_s"] * per_million * 1e3, 3),
                                  "cast_ms_per_M": round(cast * per_million * 1e3, 3),

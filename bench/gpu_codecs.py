@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import netgain.comm as comm
-from netgain.comm.codecs import SETTINGS, make_codec, time_codec
+from netgain.comm.codecs import SETTINGS, bucket_wire_bits, make_codec, time_codec
 from netgain.cost import network
 
 
@@ -74,7 +74,7 @@ def main():
     for name, params in SETTINGS:
         codec = make_codec(name, **params)
         t = time_codec(codec, numel, args.world_size, repeats=args.repeats, parameters=16, device=device)
-        enc, dec, comb = network.memory_bound_cost(codec.wire_bits(args.world_size), codec.collective,
+        enc, dec, comb = network.memory_bound_cost(bucket_wire_bits(codec, numel, args.world_size, 16), codec.collective,
                                                    args.world_size, codec.needs_scales, 1.0)
         moved = (enc + dec) * numel  # bytes, at "1 byte/s": the per-element traffic model
         seconds = t["encode_s"] + t["decode_s"]

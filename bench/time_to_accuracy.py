@@ -267,16 +267,17 @@ def label_of(profile_name: str) -> str | None:
     return None
 
 
-def pick(rate: str, workers: int, args, sizes: list[int], compute_s: float) -> dict:
+def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s: float) -> dict:
     """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
-    on this model's own parameter sizes."""
+    on this model's own parameter shapes."""
     from netgain.cost import advise
     from netgain.cost import network as net
 
+    sizes = [math.prod(shape) for shape in shapes]
     buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, args.bucket_mb, args.bucket_mb)))
     link = lab_link(rate)
     rows = advise.evaluate(buckets, workers, link, compute_s, list(codec_profiles(workers, args.codec_cost)),
-                           "auto", tensors)
+                           "auto", tensors, net.ddp_bucket_shapes(shapes, tensors))
     chosen = advise.recommend(rows)
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
             "codec": chosen.profile.name, "label": label_of(chosen.profile.name),
@@ -475,12 +476,12 @@ def main(argv=None) -> int:
     from provenance import git_commit, wait_for_quiet
 
     commit, contestants = git_commit(), list(dict.fromkeys(["ddp", *args.contestants]))
-    sizes = [p.numel() for p in models.byte_llama(args.hidden, args.layers, args.seq_len).parameters()]
+    shapes = [tuple(p.shape) for p in models.byte_llama(args.hidden, args.layers, args.seq_len).parameters()]
     picks, compute, load = {}, {}, {"before the picks": wait_for_quiet(wait_s=args.quiet_wait)}
     for workers in args.workers:
         compute[workers] = measure_compute(args, workers)
         for rate in args.rates:
-            picks[(rate, workers)] = pick(rate, workers, args, sizes, compute[workers])
+            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers])
             print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
                   f"(contestant {picks[(rate, workers)]['label']})", flush=True)
     rows = []

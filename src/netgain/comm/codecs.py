@@ -13,6 +13,7 @@ ctx.scales = the global max |g| of every parameter (the hook's header allreduce 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -91,6 +92,17 @@ class Codec:
 
     def wire_bits(self, world_size: int) -> float:
         raise NotImplementedError
+
+    def profile_fields(self, world_size: int) -> dict:
+        """The payload's size as the cost model's CodecProfile takes it (low rank adds its rank)."""
+        return {"wire_bits": self.wire_bits(world_size)}
+
+    @property
+    def convergence(self) -> str:
+        """What keeps training on course: "unbiased" (an estimate of the mean with bounded variance),
+        "low-rank" (error feedback of a low-rank projection: PowerSGD's accuracy matches SGD's at
+        rank >= 2), or "biased" (casts, sparsifiers: step time says nothing of their steps to a loss)."""
+        return "unbiased" if self.unbiased else "biased"
 
     def local_scales(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """This rank's part of the header: max |g| per parameter (NaN/Inf propagate), agreed by MAX."""
@@ -477,7 +489,8 @@ CODEC_NAMES = tuple(_factories())
 # every codec at the settings a user would try first (benchmarks time these)
 SETTINGS = (("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
             ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}), ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}),
-            ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}))
+            ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}), ("lowrank", {"rank": 4, "factors": "fp32"}),
+            ("lowrank", {"rank": 4}))
 
 
 def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: float = 0.01, rank: int = 4,
@@ -500,8 +513,7 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     per-hop combines of one chunk each. The first call (the compile, where one happens) is not timed.
     """
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
-    sizes = [numel // parameters] * parameters
-    sizes[-1] += numel - sum(sizes)
+    sizes = _part_sizes(numel, parameters)
     names = [f"p{i}" for i in range(parameters)]
     segments = Segments.build(sizes, [fused.name_key(name) for name in names], device)
     spans = [(start, size) for start, size in zip(segments.starts.tolist(), sizes)]
@@ -545,6 +557,21 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     return {"encode_s": sorted(encode_s)[repeats // 2], "decode_s": sorted(decode_s)[repeats // 2]}
 
 
+def bucket_wire_bits(codec: Codec, numel: int, world_size: int, parameters: int = 1) -> float:
+    """Payload bits per element of time_codec's bucket (``parameters`` equal parts), header excluded:
+    wire_bits, except for low rank, whose factors depend on the (squarest) shapes."""
+    profile = codec_profile(codec, world_size, "free")
+    sizes = _part_sizes(numel, parameters)
+    shapes = [_squarest(size) for size in sizes]
+    return 8 * (network.payload_bytes(numel, profile, parameters, shapes) - profile.header_size(parameters)) / numel
+
+
+def _part_sizes(numel: int, parameters: int) -> list[int]:
+    sizes = [numel // parameters] * parameters
+    sizes[-1] += numel - sum(sizes)
+    return sizes
+
+
 def _squarest(numel: int) -> tuple[int, int]:
     """The most nearly square rows x cols = numel (what time_codec gives low rank to factor)."""
     rows = max(d for d in range(1, math.isqrt(numel) + 1) if numel % d == 0)
@@ -560,18 +587,17 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     memory traffic (network.memory_bound_cost); "free": codec work costs nothing.
     """
     network.check_world(world_size)
-    wire_bits = codec.wire_bits(world_size)
+    size = codec.profile_fields(world_size)
     # the hook's header: one allreduce MAX of (P + 3) float32 per bucket of P parameters (hooks._header)
-    header, per_tensor = ((network.HEADER_FLAG_BYTES, network.HEADER_BYTES_PER_TENSOR) if codec.needs_header
-                          else (0, 0))
-    name = codec.describe()
+    header = ({"header_bytes": network.HEADER_FLAG_BYTES, "header_bytes_per_tensor": network.HEADER_BYTES_PER_TENSOR}
+              if codec.needs_header else {})
+    profile = network.CodecProfile(codec.describe(), collective=codec.collective, **size, **header)
     if isinstance(cost, GPU):
-        enc, dec, comb = network.memory_bound_cost(wire_bits, codec.collective, world_size,
+        enc, dec, comb = network.memory_bound_cost(size["wire_bits"], codec.collective, world_size,
                                                    codec.needs_scales, cost.memory_bandwidth)
-        return network.CodecProfile(name, wire_bits, codec.collective, header, enc, dec, comb,
-                                    header_bytes_per_tensor=per_tensor)
+        return dataclasses.replace(profile, encode_s_per_elem=enc, decode_s_per_elem=dec, combine_s_per_elem=comb)
     if cost == "free":
-        return network.CodecProfile(name, wire_bits, codec.collective, header, header_bytes_per_tensor=per_tensor)
+        return profile
     if cost != "calibrate":
         raise ValueError(f"cost: must be a GPU or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
     numel = calibration_numel or max(2**14, 2**22 // world_size)
@@ -582,17 +608,16 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     finally:
         torch.set_num_threads(previous)
     enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
-    return network.CodecProfile(name, wire_bits, codec.collective, header, enc / numel, dec / numel,
-                                header_bytes_per_tensor=per_tensor)
+    return dataclasses.replace(profile, encode_s_per_elem=enc / numel, decode_s_per_elem=dec / numel)
 
 
-def candidate_profiles(world_size: int, cost: "str | GPU") -> list[tuple[network.CodecProfile, bool]]:
-    """(profile, unbiased) of every codec in SETTINGS that runs at ``world_size``: what `netgain model` weighs."""
+def candidate_profiles(world_size: int, cost: "str | GPU") -> list[tuple[network.CodecProfile, str]]:
+    """(profile, convergence) of every codec in SETTINGS that runs at ``world_size``: what `netgain model` weighs."""
     out = []
     for name, params in SETTINGS:
         codec = make_codec(name, **params)
         try:
-            out.append((codec_profile(codec, world_size, cost), codec.unbiased))
+            out.append((codec_profile(codec, world_size, cost), codec.convergence))
         except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
             continue
     return out

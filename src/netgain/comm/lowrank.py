@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..cost import network
 from . import fused
 from .codecs import Codec, Context, GlobalQSGD, NoCompression, check_bits
 from .feedback import LowRankMemory
 from .fused import Segments
 
 FACTORS = ("fp32", "gqsgd")
-MIN_COMPRESSION = 2  # compress a matrix only if rank r sends at most half its elements (as PyTorch's PowerSGD)
 _P_SALT, _Q_SALT = 0x5053, 0x5153  # factor noise keys differ from the gradient's
 
 
@@ -88,7 +88,13 @@ class LowRank(Codec):
         return per_factor * self.rank * (rows + cols) / (rows * cols)
 
     def compresses(self, rows: int, cols: int) -> bool:
-        return self.rank * (rows + cols) * MIN_COMPRESSION <= rows * cols
+        return network.low_rank_compresses(rows, cols, self.rank)
+
+    convergence = "low-rank"
+
+    def profile_fields(self, world_size: int) -> dict:
+        return {"wire_bits": self.factor_codec.wire_bits(world_size), "rank": self.rank,
+                "factor_scales": self.factor_codec.needs_scales}
 
     def rounds(self, ctx: Context) -> int:
         """Collectives per bucket after the header: P, [Q's scales,] Q; only P without a matrix to compress."""

@@ -3,8 +3,8 @@
 Users' first complaint about gradient compression is that it does not speed anything up on their
 cluster. This runs the alpha-beta model of netgain.cost.network for every codec on the given
 model size, world size and fabric, prints step time, communication and speedup, and recommends
-the least lossy codec that comes within a tolerance of the fastest, which is "none" when nothing
-pays off.
+the least lossy codec (most bytes on the wire) that comes within a tolerance of the fastest, which
+is "none" when nothing pays off.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ class Row:
     profile: net.CodecProfile
     prediction: net.Prediction
     speedup: float
-    unbiased: bool
+    convergence: str  # "unbiased", "low-rank" (error feedback) or "biased": see CONVERGES
 
 
-def count_parameters(model_dir: str) -> list[int]:
-    """Parameter sizes of a Hugging Face model folder, in registration order (DDP's bucket order).
+CONVERGES = ("unbiased", "low-rank")  # recommended without --allow-biased
+
+
+def count_parameters(model_dir: str) -> list[tuple[int, ...]]:
+    """Parameter shapes of a Hugging Face model folder, in registration order (DDP's bucket order).
 
     Builds the architecture from config.json on the meta device (no weights read); folders whose
     architecture transformers cannot build are counted from their safetensors headers instead.
@@ -61,16 +64,16 @@ def _meta_parameter_sizes(path: Path) -> list[int]:
             model = AutoModelForCausalLM.from_config(config)
         except ValueError:
             model = AutoModel.from_config(config)
-    return [p.numel() for p in model.parameters()]
+    return [tuple(p.shape) for p in model.parameters()]
 
 
-def _safetensors_sizes(path: Path) -> list[int]:
-    """Element counts from the JSON headers of *.safetensors files (8-byte length, then JSON)."""
+def _safetensors_sizes(path: Path) -> list[tuple[int, ...]]:
+    """Shapes from the JSON headers of *.safetensors files (8-byte length, then JSON)."""
     sizes = []
     for file in sorted(path.glob("*.safetensors")):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        sizes += [math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__"]
+        sizes += [tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"]
     return sizes
 
 
@@ -91,44 +94,47 @@ def resolve_link(args) -> tuple[net.Link, str]:
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
-             profiles: list[tuple[net.CodecProfile, bool]], algorithm: str = "auto",
-             tensors: list[int] | None = None) -> list[Row]:
-    """Predict every candidate codec, given as (profile, unbiased) data: netgain.cost knows no codecs
-    (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per bucket."""
-    predictions = [(profile, unbiased, net.predict(buckets, world_size, link, profile, compute_s,
-                                                   algorithm=algorithm, tensors=tensors))
-                   for profile, unbiased in profiles]
+             profiles: list[tuple[net.CodecProfile, str]], algorithm: str = "auto",
+             tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None) -> list[Row]:
+    """Predict every candidate codec, given as (profile, convergence) data: netgain.cost knows no
+    codecs (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per
+    bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors."""
+    predictions = [(profile, convergence, net.predict(buckets, world_size, link, profile, compute_s,
+                                                      algorithm=algorithm, tensors=tensors, shapes=shapes))
+                   for profile, convergence in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
-    return [Row(prof, p, baseline / p.step_s, unbiased) for prof, unbiased, p in predictions]
+    return [Row(prof, p, baseline / p.step_s, convergence) for prof, convergence, p in predictions]
 
 
 def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) -> Row:
-    """The least lossy codec (most wire bits) within `tolerance` of the fastest step time, among the
-    unbiased codecs (and "none") unless `biased`.
+    """The least lossy codec (most bytes on the wire) within `tolerance` of the fastest step time,
+    among the codecs that keep training on course (CONVERGES, and "none") unless `biased`.
 
-    Step time says nothing of convergence: an unbiased code keeps SGD's guarantees (its variance is
-    bounded), a biased one (top-k, random-k with error feedback, 16-bit casts) may need more steps or
-    never get there (random-k 1%, predicted at 10.3x fp32's step speed on bench/time_to_accuracy.py's
-    100 Mbit/s cell, never reached fp32's loss).
+    Step time says nothing of convergence. An unbiased code keeps SGD's guarantees (its variance is
+    bounded); low rank with error feedback matches SGD's accuracy at rank >= 2 (PowerSGD), and on
+    bench/time_to_accuracy.py's cells rank 4 took 1.1-1.3x fp32's steps to its loss. A biased one
+    (top-k, random-k, 16-bit casts) may need many more steps or never get there (random-k 1%,
+    predicted at 10.3x fp32's step speed on the 100 Mbit/s cell, never reached fp32's loss).
     """
     if tolerance < 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
-    rows = rows if biased else [r for r in rows if r.unbiased]
+    rows = rows if biased else [r for r in rows if r.convergence in CONVERGES]
     best = min(r.prediction.step_s for r in rows)
     close = [r for r in rows if r.prediction.step_s <= best * (1 + tolerance)]
-    return max(close, key=lambda r: (r.profile.wire_bits, -r.prediction.step_s))
+    return max(close, key=lambda r: (r.prediction.payload_bytes, -r.prediction.step_s))
 
 
-def format_table(rows: list[Row], chosen: Row) -> str:
-    head = ("| codec | bits/elem | collective | unbiased | payload MB/step | comm s | codec s "
+def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
+    """The predictions as Markdown; bits/elem: payload (headers and factors included) per gradient element."""
+    head = ("| codec | bits/elem | collective | convergence | payload MB/step | comm s | codec s "
             "| exposed s | step s | speedup |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         p = r.prediction
         mark = " **<-**" if r is chosen else ""
         lines.append(
-            f"| {r.profile.name}{mark} | {r.profile.wire_bits:.2f} | {r.profile.collective} | "
-            f"{'yes' if r.unbiased else 'no'} | {p.payload_bytes / 1e6:.1f} | {p.comm_s:.4g} | "
+            f"| {r.profile.name}{mark} | {8 * p.payload_bytes / elements:.3g} | {r.profile.collective} | "
+            f"{r.convergence} | {p.payload_bytes / 1e6:.3g} | {p.comm_s:.4g} | "
             f"{p.encode_s + p.decode_s:.4g} | {p.exposed_comm_s:.4g} | {p.step_s:.4g} | "
             f"{r.speedup:.2f}x |")
     return "\n".join(lines)
@@ -167,7 +173,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "presets (default auto)")
     parser.add_argument("--allow-biased", action="store_true",
                         help="let the recommendation be a biased codec (top-k/random-k, 16-bit casts), whose "
-                        "convergence the step time does not show; default: unbiased codecs only")
+                        "convergence the step time does not show; default: unbiased codecs and low rank "
+                        "with error feedback only")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
                         "(default 0.05, >= 0)")
@@ -204,7 +211,8 @@ def run(args) -> int:
     if args.compute_ms is None and gpu is None:
         raise ValueError("on cpu (--gpu cpu, or a lab --link) give --compute-ms: there is no FLOP-rate estimate for CPUs")
 
-    sizes = count_parameters(args.model) if args.model else None
+    shapes = count_parameters(args.model) if args.model else None
+    sizes = [math.prod(shape) for shape in shapes] if shapes else None
     params = sum(sizes) if sizes else args.params
     if params < 1:
         raise ValueError(f"--model {args.model} has no parameters")
@@ -213,8 +221,9 @@ def run(args) -> int:
     first_mb = bucket_mb if args.bucket_mb else DDP_FIRST_BUCKET_MB
     if sizes:
         buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, bucket_mb, first_mb)))
-    else:
-        buckets, tensors = net.even_buckets(params, bucket_mb, first_mb), None
+        bucket_shapes = net.ddp_bucket_shapes(shapes, tensors)
+    else:  # as if made of square cap-sized matrices
+        buckets, tensors, bucket_shapes = net.even_buckets(params, bucket_mb, first_mb), None, None
     if args.compute_ms is not None:
         compute_s, compute_note = args.compute_ms / 1e3, "given"
     else:
@@ -223,7 +232,7 @@ def run(args) -> int:
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
 
     rows = evaluate(buckets, args.workers, link, compute_s, args.codec_profiles(args.workers, cost), args.algorithm,
-                    tensors)
+                    tensors, bucket_shapes)
     chosen = recommend(rows, args.tolerance, args.allow_biased)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
@@ -234,10 +243,10 @@ def run(args) -> int:
     print(f"compute: {compute_s * 1e3:.4g} ms per step ({compute_note}); codec cost: {cost_name}"
           f"{' (' + gpu.name + ' HBM)' if cost_name == 'memory' else ''}")
     print()
-    print(format_table(rows, chosen))
+    print(format_table(rows, chosen, params))
     print()
     if chosen.profile.name == "none":
-        best = max((r for r in rows if r.unbiased or args.allow_biased), key=lambda r: r.speedup)
+        best = max((r for r in rows if r.convergence in CONVERGES or args.allow_biased), key=lambda r: r.speedup)
         print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster; "
               f"best: {best.profile.name} at {best.speedup:.2f}x)")
     else:

@@ -285,7 +285,10 @@ class CodecProfile:
     reduce-scatter with a custom combine, then allgather); header_bytes + header_bytes_per_tensor
     x (parameters in the bucket): a small allreduce per bucket before the payload (netgain's
     global scales), 0 for none; per-element seconds of encode, decode and of one combine of two
-    whole payloads (ring only).
+    whole payloads (ring only). rank > 0: low rank (PowerSGD), whose payload depends on the
+    parameters' shapes: each matrix it compresses sends rows x rank then cols x rank factor
+    elements of `wire_bits` each, in two allreduces (see low_rank_messages); factor_scales: a MAX
+    allreduce of one float per compressed matrix between them (Global-QSGD factors).
     """
 
     name: str
@@ -296,6 +299,8 @@ class CodecProfile:
     decode_s_per_elem: float = 0.0
     combine_s_per_elem: float = 0.0
     header_bytes_per_tensor: int = 0
+    rank: int = 0
+    factor_scales: bool = False
 
     def __post_init__(self):
         if self.collective not in COLLECTIVES:
@@ -303,6 +308,8 @@ class CodecProfile:
                              f"got {self.collective!r}")
         if not self.wire_bits > 0:
             raise ValueError(f"wire_bits: must be > 0, got {self.wire_bits!r}")
+        if self.rank and self.collective != "allreduce":
+            raise ValueError(f"rank: low-rank factors travel by allreduce, got collective {self.collective!r}")
 
     def header_size(self, tensors: int = 1) -> int:
         """Bytes of the header allreduce of a bucket holding `tensors` parameters (0: no header)."""
@@ -348,30 +355,74 @@ def sent_bytes(nbytes: float, n: int, collective: str, link: Link, algorithm: st
     return 2 * (n - 1) / n * nbytes
 
 
+LOW_RANK_MIN_COMPRESSION = 2  # low rank compresses a matrix only if its factors are at most half of it (PowerSGD's rule)
+
+
+def low_rank_compresses(rows: float, cols: float, rank: int) -> bool:
+    """Whether rank-`rank` factors of a rows x cols matrix are worth sending instead of the matrix."""
+    return rank * (rows + cols) * LOW_RANK_MIN_COMPRESSION <= rows * cols
+
+
+def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile) -> list[float]:
+    """Payload bytes of a low-rank codec's rounds for one bucket of parameters with these shapes:
+    P (every compressed matrix's rows x rank, and every other parameter whole), [Q's scales,] Q."""
+    p = q = matrices = 0.0
+    for shape in shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) >= 2 else 0
+        if rows and low_rank_compresses(rows, numel / rows, codec.rank):
+            p, q, matrices = p + rows * codec.rank, q + numel / rows * codec.rank, matrices + 1
+        else:
+            p += numel
+    if not matrices:
+        return [p * codec.wire_bits / 8]
+    scales = [4 * matrices] if codec.factor_scales else []
+    return [p * codec.wire_bits / 8, *scales, q * codec.wire_bits / 8]
+
+
+def square_shapes(numel: float, tensors: int) -> list[tuple[float, float]]:
+    """A bucket's shapes when only its size is known: `tensors` equal square matrices."""
+    side = math.sqrt(numel / tensors)
+    return [(side, side)] * tensors
+
+
+def bucket_messages(numel: int, codec: CodecProfile, tensors: int = 1,
+                    shapes: Sequence[Sequence[int]] | None = None) -> list[tuple[str, float]]:
+    """(collective, payload bytes per rank) of a bucket's collectives in order: header (if any), payload(s).
+
+    shapes: the bucket's parameter shapes, which size a low-rank codec's factors (square_shapes
+    if not given)."""
+    out = []
+    header = codec.header_size(tensors)
+    if header:
+        out.append(("allreduce", header))
+    if codec.rank:
+        out += [("allreduce", nbytes) for nbytes in low_rank_messages(shapes or square_shapes(numel, tensors), codec)]
+    else:
+        out.append((codec.collective, numel * codec.wire_bits / 8))
+    return out
+
+
 def bucket_collectives(numel: int, world_size: int, link: Link, codec: CodecProfile,
-                       algorithm: str = "auto", tensors: int = 1,
-                       tokens: float = 0.0) -> list[tuple[float, float]]:
-    """(seconds, bytes this rank sends) of a bucket's collectives in order: header (if any), payload.
+                       algorithm: str = "auto", tensors: int = 1, tokens: float = 0.0,
+                       shapes: Sequence[Sequence[int]] | None = None) -> list[tuple[float, float]]:
+    """(seconds, bytes this rank sends) of a bucket's collectives in order (see bucket_messages).
 
     `tokens`: what the link's shaper would pass at once when the first of them starts; each
     collective drains what it sends and refills at the link's rate while it runs.
     """
     _check_algorithm(algorithm)
     out = []
-    header = codec.header_size(tensors)
-    if header:
-        seconds = allreduce_s(header, world_size, link, algorithm, tokens)
-        sent = sent_bytes(header, world_size, "allreduce", link, algorithm)
+    for collective, nbytes in bucket_messages(numel, codec, tensors, shapes):
+        if collective == "allgather":
+            seconds = allgather_s(nbytes, world_size, link, tokens)
+        elif collective == "ring":
+            seconds = ring_combine_allreduce_s(nbytes, world_size, link, numel * codec.combine_s_per_elem, tokens)
+        else:
+            seconds = allreduce_s(nbytes, world_size, link, algorithm, tokens)
+        sent = sent_bytes(nbytes, world_size, collective, link, algorithm)
         out.append((seconds, sent))
         tokens = refill(tokens, sent, seconds, link)
-    nbytes = numel * codec.wire_bits / 8
-    if codec.collective == "allgather":
-        seconds = allgather_s(nbytes, world_size, link, tokens)
-    elif codec.collective == "ring":
-        seconds = ring_combine_allreduce_s(nbytes, world_size, link, numel * codec.combine_s_per_elem, tokens)
-    else:
-        seconds = allreduce_s(nbytes, world_size, link, algorithm, tokens)
-    out.append((seconds, sent_bytes(nbytes, world_size, codec.collective, link, algorithm)))
     return out
 
 
@@ -381,19 +432,21 @@ def refill(tokens: float, sent: float, seconds: float, link: Link) -> float:
 
 
 def collective_s(numel: int, world_size: int, link: Link, codec: CodecProfile,
-                 algorithm: str = "auto", tensors: int = 1, tokens: float = 0.0) -> float:
+                 algorithm: str = "auto", tensors: int = 1, tokens: float = 0.0,
+                 shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Time on the wire for one bucket of `numel` gradient elements under `codec` (with header).
 
     `algorithm` applies to native allreduces (header and summable payloads); allgather and the
     custom-combine ring have one algorithm each. `tensors`: parameters in the bucket (the header
-    holds one float each); `tokens`: see bucket_collectives.
+    holds one float each); `tokens`, `shapes`: see bucket_collectives.
     """
-    return sum(s for s, _ in bucket_collectives(numel, world_size, link, codec, algorithm, tensors, tokens))
+    return sum(s for s, _ in bucket_collectives(numel, world_size, link, codec, algorithm, tensors, tokens, shapes))
 
 
-def payload_bytes(numel: int, codec: CodecProfile, tensors: int = 1) -> float:
+def payload_bytes(numel: int, codec: CodecProfile, tensors: int = 1,
+                  shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Bytes this rank hands to the collectives for one bucket (what `netgain train` records)."""
-    return numel * codec.wire_bits / 8 + codec.header_size(tensors)
+    return sum(nbytes for _, nbytes in bucket_messages(numel, codec, tensors, shapes))
 
 
 def ddp_bucket_layout(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
@@ -418,6 +471,15 @@ def ddp_bucket_layout(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
     if count:
         buckets.append((current, count))
     return buckets
+
+
+def ddp_bucket_shapes(shapes: Sequence[Sequence[int]], tensors: Sequence[int]) -> list[list[tuple[int, ...]]]:
+    """Each bucket's parameter shapes, from shapes in registration order and ddp_bucket_layout's counts."""
+    ready = [tuple(shape) for shape in reversed(shapes)]
+    if sum(tensors) != len(ready):
+        raise ValueError(f"tensors: the buckets hold {sum(tensors)} parameters, the shapes are of {len(ready)}")
+    starts = [sum(tensors[:i]) for i in range(len(tensors))]
+    return [ready[start:start + count] for start, count in zip(starts, tensors)]
 
 
 def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
@@ -460,12 +522,14 @@ class Prediction:
 def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
             codec: CodecProfile = UNCOMPRESSED, compute_s: float = 0.0,
             backward_fraction: float = 2 / 3, algorithm: str = "auto",
-            bucket_mb: float = 25.0, tensors: Sequence[int] | None = None) -> Prediction:
+            bucket_mb: float = 25.0, tensors: Sequence[int] | None = None,
+            shapes: Sequence[Sequence[Sequence[int]]] | None = None) -> Prediction:
     """Predict one data-parallel step.
 
     `buckets`: element counts per bucket in ready order (see ddp_buckets), or a parameter count
     (split with even_buckets). `tensors`: parameters per bucket (ddp_bucket_layout), which size
-    the header; one each if not given. `compute_s`: forward + backward time of one rank without
+    the header; one each if not given. `shapes`: each bucket's parameter shapes (ddp_bucket_shapes),
+    which size low-rank factors; square matrices if not given. `compute_s`: forward + backward time of one rank without
     communication; its last `backward_fraction` is the backward, during which buckets become
     ready in proportion to their size. As in netgain's hook, one communication worker handles the
     buckets in order: encode, header, collective, decode; bucket k starts when it is ready and
@@ -482,6 +546,9 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     tensors = [1] * len(buckets) if tensors is None else list(tensors)
     if len(tensors) != len(buckets):
         raise ValueError(f"tensors: one count per bucket, got {len(tensors)} for {len(buckets)} buckets")
+    shapes = [None] * len(buckets) if shapes is None else list(shapes)
+    if len(shapes) != len(buckets):
+        raise ValueError(f"shapes: one list per bucket, got {len(shapes)} for {len(buckets)} buckets")
     if world_size == 1:
         return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets))
     total = sum(buckets)
@@ -490,19 +557,20 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     done = 0.0
     tokens, idle_from = link.burst, 0.0
     comm = encode = decode = sent = 0.0
-    for numel, count in zip(buckets, tensors):
+    for numel, count, bucket_shapes in zip(buckets, tensors, shapes):
         ready += backward * numel / total
         enc, dec = numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem
         start = max(ready, done) + enc
         tokens = refill(tokens, 0.0, start - idle_from, link)
         wire = 0.0
-        for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens):
+        for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens,
+                                               bucket_shapes):
             tokens = refill(tokens, out, seconds, link)
             wire += seconds
         done = idle_from = start + wire
         done += dec
         comm, encode, decode = comm + wire, encode + enc, decode + dec
-        sent += payload_bytes(numel, codec, count)
+        sent += payload_bytes(numel, codec, count, bucket_shapes)
     step = max(compute_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
                       step - compute_s, sent, len(buckets))
