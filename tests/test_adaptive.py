@@ -1,5 +1,6 @@
 """Kimad: the bandwidth monitor, and the adaptive hook's plan agreement across ranks."""
 
+import io
 import time
 
 import pytest
@@ -93,6 +94,37 @@ def test_monitor_charges_a_queued_collective_only_its_own_time():
     assert [round(s, 6) for _, s, _ in monitor._step] == [0.2, 0.2]
     bandwidth, _, overhead = monitor.local_estimate()
     assert overhead == pytest.approx(0.2)  # the hook reports 0.6 s; the fit predicts 0.4 s
+
+
+def test_a_rise_in_bandwidth_counts_once_two_steps_agree():
+    monitor = BandwidthMonitor()
+    assert monitor.update(1e6, 0.001) == 1e6
+    assert monitor.update(5e6, 0.001) == 1e6     # one fast step (a shaper's burst) is not believed
+    assert monitor.update(1.2e6, 0.001) == 1.2e6  # and gone the step after
+    assert monitor.update(4e6, 0.001) == 1.2e6
+    assert monitor.update(4.5e6, 0.001) == 4e6   # two steps agree: the link got faster
+    assert monitor.update(0.5e6, 0.001) == 0.5e6  # a fall is followed at once
+    assert monitor.update(0.0, 0.0) == 0.5e6      # no sample on any rank: nothing changes
+
+
+def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
+    planner = AdaptivePlanner("kimad+")
+    planner.monitor.update(1e6, 0.002, 0.01)
+    planner.monitor.update(3e6, 0.002, 0.01)
+    planner._overruns.extend([1.0] * 10 + [1.4] * 2)
+    planner._backward_s = 0.05
+    state = torch.load(io.BytesIO(_saved(planner.state_dict())), weights_only=True)
+    resumed = AdaptivePlanner("kimad+")
+    resumed.load_state_dict(state)
+    assert (resumed.monitor.bandwidth, resumed.monitor.agreed_bandwidth) == (1e6, 3e6)
+    assert resumed.margin() == planner.margin() > 1
+    assert resumed.monitor.update(3.5e6, 0.002) == 3e6  # the rise seen before the checkpoint counts
+
+
+def _saved(state) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 def test_errors_measured_on_a_sample_match_the_whole_bucket():

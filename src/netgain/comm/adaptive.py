@@ -162,13 +162,18 @@ class AdaptivePlanner:
                 or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s())
 
     def state_dict(self) -> dict:
-        """What every rank agreed on (identical everywhere): the link estimate and the compute time."""
-        return {"bandwidth": self.monitor.bandwidth, "latency": self.monitor.latency,
-                "overhead_s": self.monitor.overhead_s, "backward_s": self._backward_s}
+        """What every rank agreed on (identical everywhere): the link estimate, the compute time and
+        the recent overruns behind the margin."""
+        return {"bandwidth": self.monitor.bandwidth, "agreed_bandwidth": self.monitor.agreed_bandwidth,
+                "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
+                "backward_s": self._backward_s, "overruns": list(self._overruns)}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.update(state["bandwidth"] or 0.0, state["latency"], state["overhead_s"])
+        self.monitor.agreed_bandwidth = state.get("agreed_bandwidth", self.monitor.bandwidth)
         self._backward_s = state["backward_s"]
+        self._overruns.clear()
+        self._overruns.extend(state.get("overruns", []))
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
@@ -211,10 +216,13 @@ class AdaptivePlanner:
                              for p, (e, d) in zip(local, costs)]
 
     def _option_s(self, option_index: int, numel: int, world_size: int) -> float:
-        """The bucket's header and payload collectives on the monitor's fit, plus codec work."""
+        """The bucket's header and payload collectives on the monitor's fit, plus codec work. The
+        header counts as a one-parameter bucket's whether or not the option has one: the hook
+        sends it for every planned bucket (the plan check)."""
         profile = self._profiles[world_size][option_index]
-        wire = (self.monitor.predict_s("allreduce", network.HEADER_BYTES, world_size)
-                + self.monitor.predict_s(profile.collective, numel * profile.wire_bits / 8, world_size))
+        payload = network.bucket_messages(numel, dataclasses.replace(profile, header_bytes=0, header_bytes_per_tensor=0))
+        wire = sum(self.monitor.predict_s(collective, nbytes, world_size)
+                   for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
         return wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
 
 

@@ -19,6 +19,11 @@ ranks agree on the MAX bandwidth and the MIN latency (the planner's one small al
 the 0.9-quantile over recent steps of the step's summed collective times as the hook reports them
 (waiting for the slowest rank and queueing included) less the fit's prediction of the same
 collectives.
+
+A rise is followed once two steps agree: the bandwidth to plan with is the lower of the last two
+agreed estimates, and a fall counts at once. Right after a link change the window holds two
+steps, and a shaper's burst can make them look far faster than the link (1,449 Mbit/s estimated
+at 300 Mbit/s on the lab): planning fp32 on that overran the budget for a step.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class BandwidthMonitor:
             raise ValueError(f"change must be > 1, got {change}")
         self.window_steps, self.change, self.spread = window_steps, change, spread
         self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
-        self.bandwidth: float | None = None  # agreed bytes/s on the wire per rank
+        self.bandwidth: float | None = None  # bytes/s on the wire per rank to plan with (a rise confirmed)
+        self.agreed_bandwidth: float | None = None  # the last step's agreed estimate, confirmed or not
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
         self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
@@ -92,9 +98,12 @@ class BandwidthMonitor:
         return 1.0 / slope, alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))])
 
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0) -> float | None:
-        """Take the agreed estimate of one step (identical on every rank); returns the bandwidth."""
+        """Take the agreed estimate of one step (identical on every rank); returns the bandwidth to plan
+        with: the lower of this step's and the last step's estimates."""
         if bandwidth > 0:
-            self.bandwidth, self.latency, self.overhead_s = bandwidth, latency, overhead_s
+            previous, self.agreed_bandwidth = self.agreed_bandwidth, bandwidth
+            self.bandwidth = min(bandwidth, previous) if previous else bandwidth
+            self.latency, self.overhead_s = latency, overhead_s
         return self.bandwidth
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
