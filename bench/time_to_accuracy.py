@@ -245,10 +245,10 @@ def lab_link(rate: str):
 
 
 @functools.cache
-def codec_profiles(workers: int, cost: str):
+def codec_profiles(workers: int, cost: str, shapes: tuple | None = None):
     from netgain.comm.codecs import candidate_profiles
 
-    return tuple(candidate_profiles(workers, cost))
+    return tuple(candidate_profiles(workers, cost, list(shapes) if shapes else None))
 
 
 def label_of(profile_name: str) -> str | None:
@@ -276,8 +276,11 @@ def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s
     sizes = [math.prod(shape) for shape in shapes]
     buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, args.bucket_mb, args.bucket_mb)))
     link = lab_link(rate)
-    rows = advise.evaluate(buckets, workers, link, compute_s, list(codec_profiles(workers, args.codec_cost)),
-                           "auto", tensors, net.ddp_bucket_shapes(shapes, tensors))
+    bucket_shapes = net.ddp_bucket_shapes(shapes, tensors)
+    calibration = advise.calibration_shapes(bucket_shapes, workers)
+    rows = advise.evaluate(buckets, workers, link, compute_s,
+                           list(codec_profiles(workers, args.codec_cost, tuple(calibration))), "auto", tensors, bucket_shapes,
+                           codec_shares_compute=True)  # lab workers: their threads fill the cores
     chosen = advise.recommend(rows)
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
             "codec": chosen.profile.name, "label": label_of(chosen.profile.name),

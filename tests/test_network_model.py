@@ -388,3 +388,22 @@ def test_low_rank_is_recommended_where_the_link_is_slow_and_quantization_where_i
     assert advise.recommend(slow).profile.name.startswith("lowrank")
     fast = advise.evaluate(buckets, 2, net.preset("nvlink-h100"), 0.05, profiles, tensors=tensors, shapes=bucket_shapes)
     assert advise.recommend(fast).profile.name == "none"
+
+
+def test_codec_work_on_the_compute_cores_lengthens_the_step():
+    codec = net.CodecProfile("q", 8.0, encode_s_per_elem=1e-3, decode_s_per_elem=1e-3)
+    link = net.Link("fast", 1e12, 0.0)
+    alone = net.predict([100], 2, link, codec, compute_s=1.0)
+    shared = net.predict([100], 2, link, codec, compute_s=1.0, codec_shares_compute=True)
+    assert alone.step_s == pytest.approx(1.0 + 0.2)  # the bucket's codec work after the backward
+    assert shared.step_s == pytest.approx(1.0 + 0.2 + 0.2)  # and the cores it took from the backward
+
+
+def test_calibration_takes_the_largest_buckets_own_shapes():
+    buckets = [[(4, 4)], [(1024, 1024), (512, 512), (1024,)]]
+    assert advise.calibration_shapes(buckets, 2) == [(1024, 1024), (512, 512), (1024,)]
+    assert advise.calibration_shapes(buckets, 8) == [(1024, 1024)]  # at most 2^22 / 8 elements, at least one
+    assert advise.calibration_shapes(None, 2) is None
+    torch.manual_seed(0)
+    timed = codec_profile(make_codec("lowrank", rank=2), 2, "calibrate", shapes=[(64, 32), (32,)])
+    assert timed.encode_s_per_elem > 0 and timed.rank == 2

@@ -27,10 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _candidate_profiles(world_size, cost):
+def _candidate_profiles(world_size, cost, shapes=None):
     from netgain.comm.codecs import candidate_profiles
 
-    return candidate_profiles(world_size, cost)
+    return candidate_profiles(world_size, cost, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:

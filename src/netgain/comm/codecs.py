@@ -504,8 +504,9 @@ def make_codec(name: str, *, bits: int = 8, encoding: str = "packed", ratio: flo
 
 
 def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,
-               parameters: int = 1, device: str = "cpu") -> dict:
-    """Median encode and decode seconds for one bucket of ``numel`` (``parameters`` equal parts), in-process.
+               parameters: int = 1, device: str = "cpu", shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """Median encode and decode seconds for one bucket of ``numel`` (``parameters`` equal parts, each
+    as its squarest matrix; or parameters of these ``shapes``, whose sizes add up to ``numel``), in-process.
 
     encode_s includes the per-parameter max |g| that the header needs (codecs with needs_scales).
     The aggregated payload is faked as n copies of one worker's payload (a valid input for every
@@ -513,11 +514,15 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     per-hop combines of one chunk each. The first call (the compile, where one happens) is not timed.
     """
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
-    sizes = _part_sizes(numel, parameters)
+    if shapes is not None and sum(math.prod(shape) for shape in shapes) != numel:
+        raise ValueError(f"shapes: their sizes add up to {sum(math.prod(shape) for shape in shapes)}, not numel={numel}")
+    sizes = [math.prod(shape) for shape in shapes] if shapes is not None else _part_sizes(numel, parameters)
+    shapes = list(shapes) if shapes is not None else [_squarest(size) for size in sizes]
+    parameters = len(sizes)
     names = [f"p{i}" for i in range(parameters)]
     segments = Segments.build(sizes, [fused.name_key(name) for name in names], device)
     spans = [(start, size) for start, size in zip(segments.starts.tolist(), sizes)]
-    layout = BucketLayout(names, spans, segments, shapes=[_squarest(size) for size in sizes])
+    layout = BucketLayout(names, spans, segments, shapes=shapes)
     memory = None
     if codec.uses_feedback:
         memory, shared_spans = codec.memory(layout, device)
@@ -579,12 +584,16 @@ def _squarest(numel: int) -> tuple[int, int]:
 
 
 def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate",
-                  calibration_numel: int | None = None, threads: int | None = None) -> network.CodecProfile:
+                  calibration_numel: int | None = None, threads: int | None = None,
+                  shapes: list[tuple[int, ...]] | None = None) -> network.CodecProfile:
     """The cost model's view of a codec at ``world_size``, as data (netgain.cost knows no codecs).
 
     cost: "calibrate" times encode/decode on this machine (the fastest of 3 medians, at
-    ``threads`` torch threads: a lab worker's share of the cores); a GPU: a fused kernel limited by
-    memory traffic (network.memory_bound_cost); "free": codec work costs nothing.
+    ``threads`` torch threads: a lab worker's share of the cores) on a bucket of
+    ``calibration_numel`` elements, or of parameters of these ``shapes`` (a model's own layout:
+    low rank's cost is per shape group, so one big matrix would understate it 2-3x); a GPU: a
+    fused kernel limited by memory traffic (network.memory_bound_cost); "free": codec work costs
+    nothing.
     """
     network.check_world(world_size)
     size = codec.profile_fields(world_size)
@@ -600,24 +609,29 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
         return profile
     if cost != "calibrate":
         raise ValueError(f"cost: must be a GPU or one of {', '.join(network.CODEC_COSTS)}, got {cost!r}")
-    numel = calibration_numel or max(2**14, 2**22 // world_size)
+    numel = sum(math.prod(shape) for shape in shapes) if shapes else calibration_numel or max(2**14, network.CALIBRATION_ELEMENTS // world_size)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        runs = [time_codec(codec, numel, world_size, repeats=3) for _ in range(3)]
+        # a call at a second size first: the compiler's dynamic-shape kernel, which every later
+        # bucket size runs, is built here (else the first bucket of a new size paid ~1 s: Kimad's stall)
+        time_codec(codec, numel // 2 + 1, world_size, repeats=1)
+        runs = [time_codec(codec, numel, world_size, repeats=3, shapes=shapes) for _ in range(3)]
     finally:
         torch.set_num_threads(previous)
     enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
     return dataclasses.replace(profile, encode_s_per_elem=enc / numel, decode_s_per_elem=dec / numel)
 
 
-def candidate_profiles(world_size: int, cost: "str | GPU") -> list[tuple[network.CodecProfile, str]]:
-    """(profile, convergence) of every codec in SETTINGS that runs at ``world_size``: what `netgain model` weighs."""
+def candidate_profiles(world_size: int, cost: "str | GPU",
+                       shapes: list[tuple[int, ...]] | None = None) -> list[tuple[network.CodecProfile, str]]:
+    """(profile, convergence) of every codec in SETTINGS that runs at ``world_size``: what `netgain model`
+    weighs; ``shapes``: the parameters to calibrate on (see codec_profile)."""
     out = []
     for name, params in SETTINGS:
         codec = make_codec(name, **params)
         try:
-            out.append((codec_profile(codec, world_size, cost), codec.convergence))
+            out.append((codec_profile(codec, world_size, cost, shapes=shapes), codec.convergence))
         except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
             continue
     return out

@@ -95,12 +95,15 @@ def resolve_link(args) -> tuple[net.Link, str]:
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
              profiles: list[tuple[net.CodecProfile, str]], algorithm: str = "auto",
-             tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None) -> list[Row]:
+             tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None,
+             codec_shares_compute: bool = False) -> list[Row]:
     """Predict every candidate codec, given as (profile, convergence) data: netgain.cost knows no
     codecs (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per
-    bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors."""
+    bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors;
+    `codec_shares_compute`: see net.predict (True on CPU workers)."""
     predictions = [(profile, convergence, net.predict(buckets, world_size, link, profile, compute_s,
-                                                      algorithm=algorithm, tensors=tensors, shapes=shapes))
+                                                      algorithm=algorithm, tensors=tensors, shapes=shapes,
+                                                      codec_shares_compute=codec_shares_compute))
                    for profile, convergence in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
     return [Row(prof, p, baseline / p.step_s, convergence) for prof, convergence, p in predictions]
@@ -180,6 +183,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default 0.05, >= 0)")
 
 
+def calibration_shapes(bucket_shapes: list[list[tuple[int, ...]]] | None, world_size: int) -> list[tuple[int, ...]] | None:
+    """The model's own parameters to calibrate codecs on: the largest bucket's, in order, up to
+    net.CALIBRATION_ELEMENTS / world_size elements (at least one); None without shapes (--params)."""
+    if not bucket_shapes:
+        return None
+    largest = max(bucket_shapes, key=lambda shapes: sum(math.prod(s) for s in shapes))
+    out, total = [], 0
+    for shape in largest:
+        if out and total + math.prod(shape) > net.CALIBRATION_ELEMENTS // world_size:
+            break
+        out.append(shape)
+        total += math.prod(shape)
+    return out
+
+
 def check_args(args) -> None:
     """Every number `netgain model` takes, named as on the command line, before any prediction."""
     def require(ok: bool, flag: str, rule: str, value) -> None:
@@ -231,8 +249,9 @@ def run(args) -> int:
         compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
 
-    rows = evaluate(buckets, args.workers, link, compute_s, args.codec_profiles(args.workers, cost), args.algorithm,
-                    tensors, bucket_shapes)
+    profiles = args.codec_profiles(args.workers, cost, calibration_shapes(bucket_shapes, args.workers))
+    rows = evaluate(buckets, args.workers, link, compute_s, profiles, args.algorithm, tensors, bucket_shapes,
+                    codec_shares_compute=gpu is None)
     chosen = recommend(rows, args.tolerance, args.allow_biased)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")

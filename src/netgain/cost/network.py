@@ -523,7 +523,8 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
             codec: CodecProfile = UNCOMPRESSED, compute_s: float = 0.0,
             backward_fraction: float = 2 / 3, algorithm: str = "auto",
             bucket_mb: float = 25.0, tensors: Sequence[int] | None = None,
-            shapes: Sequence[Sequence[Sequence[int]]] | None = None) -> Prediction:
+            shapes: Sequence[Sequence[Sequence[int]]] | None = None,
+            codec_shares_compute: bool = False) -> Prediction:
     """Predict one data-parallel step.
 
     `buckets`: element counts per bucket in ready order (see ddp_buckets), or a parameter count
@@ -533,7 +534,10 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     communication; its last `backward_fraction` is the backward, during which buckets become
     ready in proportion to their size. As in netgain's hook, one communication worker handles the
     buckets in order: encode, header, collective, decode; bucket k starts when it is ready and
-    bucket k-1 is done. The step ends when both the backward and the last bucket are done. The
+    bucket k-1 is done. The step ends when both the backward and the last bucket are done.
+    `codec_shares_compute`: the codec's work runs on the cores the compute uses (a CPU worker's
+    threads already fill its share of the cores; on the lab the hook's encode ran 2-3x its time
+    alone), so it lengthens the compute by its own time as well as taking the worker's. The
     link's shaper starts the step full (the previous step's compute refilled it).
     """
     check_world(world_size)
@@ -552,8 +556,9 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     if world_size == 1:
         return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets))
     total = sum(buckets)
-    backward = compute_s * backward_fraction
-    ready = compute_s - backward
+    busy_s = compute_s + (total * (codec.encode_s_per_elem + codec.decode_s_per_elem) if codec_shares_compute else 0.0)
+    backward = busy_s * backward_fraction
+    ready = busy_s - backward
     done = 0.0
     tokens, idle_from = link.burst, 0.0
     comm = encode = decode = sent = 0.0
@@ -571,7 +576,7 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
         done += dec
         comm, encode, decode = comm + wire, encode + enc, decode + dec
         sent += payload_bytes(numel, codec, count, bucket_shapes)
-    step = max(compute_s, done)
+    step = max(busy_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
                       step - compute_s, sent, len(buckets))
 
@@ -584,6 +589,7 @@ def estimate_compute_s(params: float, tokens_per_step: float, gpu: GPU, mfu: flo
 
 
 CODEC_COSTS = ("calibrate", "free")
+CALIBRATION_ELEMENTS = 2**22  # a calibrated codec is timed on a bucket of this many elements / world size
 
 
 def memory_bound_cost(wire_bits: float, collective: str, world_size: int, needs_header: bool,
