@@ -160,7 +160,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "the lab presets)")
     parser.add_argument("--codec-cost", choices=("memory", *net.CODEC_COSTS),
                         help="encode/decode cost: memory = fused GPU kernels bound by HBM traffic, "
-                        "calibrate = timed on this machine, free = zero (default: memory on a GPU, "
+                        "calibrate = timed on this machine (on the largest bucket's shapes with --model; on cpu the codec's "
+                        "work also takes the compute's cores), free = zero (default: memory on a GPU, "
                         "calibrate on cpu)")
     parser.add_argument("--compute-ms", type=float, help="forward+backward ms per step and rank, > 0 "
                         "(default: 6 * params * tokens / (peak * mfu) on --gpu)")
