@@ -613,9 +613,12 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        # a call at a second size first: the compiler's dynamic-shape kernel, which every later
-        # bucket size runs, is built here (else the first bucket of a new size paid ~1 s: Kimad's stall)
-        time_codec(codec, numel // 2 + 1, world_size, repeats=1)
+        # first a bucket like a model's, small parameters among large ones: torch.compile specializes
+        # sizes of 1 (one parameter's scale, one element that three parameters share), so this builds
+        # the dynamic-shape kernels that real buckets run, not the first step that uses the codec
+        # (Kimad's 1.3-2 s stall when its plan switched codecs)
+        half = numel // 4 + 1
+        time_codec(codec, 2 * half + 24, world_size, repeats=1, shapes=[(half,), *[(3,)] * 8, (half,)])
         runs = [time_codec(codec, numel, world_size, repeats=3, shapes=shapes) for _ in range(3)]
     finally:
         torch.set_num_threads(previous)
