@@ -271,12 +271,9 @@ def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s
     """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
     on this model's own parameter shapes."""
     from netgain.cost import advise
-    from netgain.cost import network as net
 
-    sizes = [math.prod(shape) for shape in shapes]
-    buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, args.bucket_mb, args.bucket_mb)))
+    buckets, tensors, bucket_shapes = advise.model_buckets(shapes, args.bucket_mb, args.bucket_mb)
     link = lab_link(rate)
-    bucket_shapes = net.ddp_bucket_shapes(shapes, tensors)
     calibration = advise.calibration_shapes(bucket_shapes, workers)
     rows = advise.evaluate(buckets, workers, link, compute_s,
                            list(codec_profiles(workers, args.codec_cost, tuple(calibration))), "auto", tensors, bucket_shapes,

@@ -19,7 +19,6 @@ shape group costs one batched matmul per round.
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -77,15 +76,9 @@ class LowRank(Codec):
     def params(self):
         return {"rank": self.rank, "factors": self.factors, **({"bits": self.bits} if self.factors == "gqsgd" else {})}
 
-    def wire_bits(self, world_size, shape: tuple[int, int] | None = None):
-        """Payload bits per element of a rows x cols matrix (the cost depends on the model's shapes)."""
-        if shape is None:
-            raise ValueError("lowrank's wire bits depend on the matrix shape: pass shape=(rows, cols)")
-        rows, cols = shape
-        per_factor = self.factor_codec.wire_bits(world_size)
-        if not self.compresses(rows, cols):
-            return per_factor
-        return per_factor * self.rank * (rows + cols) / (rows * cols)
+    def wire_bits(self, world_size):
+        raise ValueError("lowrank's wire bits depend on the parameters' shapes: see profile_fields and "
+                         "netgain.cost.network.low_rank_messages")
 
     def compresses(self, rows: int, cols: int) -> bool:
         return network.low_rank_compresses(rows, cols, self.rank)
@@ -222,7 +215,7 @@ def _matrices(layout) -> list[tuple[int, int]]:
     """(rows, cols) of every parameter as PowerSGD sees it (dim 0 by the rest), (0, 0) for vectors."""
     if layout.shapes is None:
         raise ValueError("lowrank needs the parameters' shapes (a bucket layout from DDP)")
-    return [(shape[0], math.prod(shape) // shape[0]) if len(shape) >= 2 and shape[0] else (0, 0) for shape in layout.shapes]
+    return [network.as_matrix(shape) for shape in layout.shapes]
 
 
 def _even_runs(members: list[int], offsets: list[int]) -> list[list[int]]:

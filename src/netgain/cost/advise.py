@@ -115,7 +115,8 @@ def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) ->
 
     Step time says nothing of convergence. An unbiased code keeps SGD's guarantees (its variance is
     bounded); low rank with error feedback matches SGD's accuracy at rank >= 2 (PowerSGD), and on
-    bench/time_to_accuracy.py's cells rank 4 took 1.1-1.3x fp32's steps to its loss. A biased one
+    bench/time_to_accuracy.py's cells rank 4 took 1.09-1.27x fp32's steps to its loss with fp32
+    factors, 1.21-1.52x with 8-bit ones. A biased one
     (top-k, random-k, 16-bit casts) may need many more steps or never get there (random-k 1%,
     predicted at 10.3x fp32's step speed on the 100 Mbit/s cell, never reached fp32's loss).
     """
@@ -184,6 +185,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default 0.05, >= 0)")
 
 
+def model_buckets(shapes: list[tuple[int, ...]], bucket_mb: float,
+                  first_mb: float) -> tuple[list[int], list[int], list[list[tuple[int, ...]]]]:
+    """A model's DDP buckets from its parameter shapes (registration order): elements, parameters
+    and shapes per bucket, in ready order."""
+    buckets, tensors = map(list, zip(*net.ddp_bucket_layout([math.prod(s) for s in shapes], bucket_mb, first_mb)))
+    return buckets, tensors, net.ddp_bucket_shapes(shapes, tensors)
+
+
 def calibration_shapes(bucket_shapes: list[list[tuple[int, ...]]] | None, world_size: int) -> list[tuple[int, ...]] | None:
     """The model's own parameters to calibrate codecs on: the largest bucket's, in order, up to
     net.CALIBRATION_ELEMENTS / world_size elements (at least one); None without shapes (--params)."""
@@ -239,8 +248,7 @@ def run(args) -> int:
     bucket_mb = args.bucket_mb or DDP_BUCKET_MB
     first_mb = bucket_mb if args.bucket_mb else DDP_FIRST_BUCKET_MB
     if sizes:
-        buckets, tensors = map(list, zip(*net.ddp_bucket_layout(sizes, bucket_mb, first_mb)))
-        bucket_shapes = net.ddp_bucket_shapes(shapes, tensors)
+        buckets, tensors, bucket_shapes = model_buckets(shapes, bucket_mb, first_mb)
     else:  # as if made of square cap-sized matrices
         buckets, tensors, bucket_shapes = net.even_buckets(params, bucket_mb, first_mb), None, None
     if args.compute_ms is not None:

@@ -363,17 +363,23 @@ def low_rank_compresses(rows: float, cols: float, rank: int) -> bool:
     return rank * (rows + cols) * LOW_RANK_MIN_COMPRESSION <= rows * cols
 
 
+def as_matrix(shape: Sequence[float]) -> tuple[float, float]:
+    """(rows, cols) of a parameter as PowerSGD sees it (dim 0 by the rest), (0, 0) for a vector."""
+    if len(shape) < 2 or not shape[0]:
+        return (0, 0)
+    return (shape[0], math.prod(shape[1:]))
+
+
 def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile) -> list[float]:
     """Payload bytes of a low-rank codec's rounds for one bucket of parameters with these shapes:
     P (every compressed matrix's rows x rank, and every other parameter whole), [Q's scales,] Q."""
     p = q = matrices = 0.0
     for shape in shapes:
-        numel = math.prod(shape)
-        rows = shape[0] if len(shape) >= 2 else 0
-        if rows and low_rank_compresses(rows, numel / rows, codec.rank):
-            p, q, matrices = p + rows * codec.rank, q + numel / rows * codec.rank, matrices + 1
+        rows, cols = as_matrix(shape)
+        if rows and low_rank_compresses(rows, cols, codec.rank):
+            p, q, matrices = p + rows * codec.rank, q + cols * codec.rank, matrices + 1
         else:
-            p += numel
+            p += math.prod(shape)
     if not matrices:
         return [p * codec.wire_bits / 8]
     scales = [4 * matrices] if codec.factor_scales else []
