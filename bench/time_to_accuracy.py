@@ -16,12 +16,15 @@ As in bench/hook_lab.py, the workers start once per (rate, world size) cell and 
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
 round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time.
 `netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
-step timed here and the cell's lab link) is made before the run and always runs as a contestant.
+step timed here and the cell's lab link) is made before the run and always runs as a contestant;
+with `--steps-from` earlier results' steps to target enter it (time to target = step time x steps).
+The CSV's `codec` and `steps_ratio` columns are what `netgain model --steps-from` reads.
 
     python bench/time_to_accuracy.py                                   # root: the issue's grid
     python bench/time_to_accuracy.py --rates 100mbit --workers 2 --contestants ddp ddp-fp16 gqsgd-8
 
-Writes OUT.md, OUT.csv, OUT.json and OUT.png (OUT defaults to bench/results/time_to_accuracy).
+Writes OUT.md, OUT.csv, OUT.json and OUT.png (OUT defaults to bench/results/time_to_accuracy);
+`--report-from OUT.json` rewrites the others from a finished run.
 """
 
 from __future__ import annotations
@@ -251,20 +254,24 @@ def codec_profiles(workers: int, cost: str, shapes: tuple | None = None):
     return tuple(candidate_profiles(workers, cost, list(shapes) if shapes else None))
 
 
-def label_of(profile_name: str) -> str | None:
-    """The contestant that runs the codec `netgain model` names."""
+def codec_name(label: str) -> str:
+    """The codec name `netgain model` prints for a netgain contestant ("none" for fp32 DDP); "" for the others."""
     import netgain.comm as comm
 
-    for label, spec in CONTESTANTS.items():
-        if spec is None or spec[0] != "netgain":
-            continue
-        try:
-            codec = comm.make_codec(spec[1], **spec[2])
-        except (TypeError, ValueError):  # kimad, codecs make_codec does not build
-            continue
-        if codec.describe() == profile_name:  # a profile is named by its codec's describe()
-            return label
-    return None
+    spec = CONTESTANTS[label]
+    if spec is None:
+        return "none"
+    if spec[0] != "netgain":
+        return ""
+    try:
+        return comm.make_codec(spec[1], **spec[2]).describe()  # a profile is named by its codec's describe()
+    except (TypeError, ValueError):  # kimad, codecs make_codec does not build
+        return ""
+
+
+def label_of(profile_name: str) -> str | None:
+    """The contestant that runs the codec `netgain model` names."""
+    return next((label for label in CONTESTANTS if CONTESTANTS[label] is not None and codec_name(label) == profile_name), None)
 
 
 def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s: float) -> dict:
@@ -277,11 +284,13 @@ def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s
     calibration = advise.calibration_shapes(bucket_shapes, workers)
     rows = advise.evaluate(buckets, workers, link, compute_s,
                            list(codec_profiles(workers, args.codec_cost, tuple(calibration))), "auto", tensors, bucket_shapes,
-                           codec_shares_compute=True)  # lab workers: their threads fill the cores
+                           codec_shares_compute=True,  # lab workers: their threads fill the cores
+                           steps=advise.read_steps(args.steps_from, workers) if args.steps_from else None)
     chosen = advise.recommend(rows)
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
             "codec": chosen.profile.name, "label": label_of(chosen.profile.name),
-            "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup}
+            "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup,
+            "steps_from": args.steps_from, "steps": chosen.steps}
 
 
 # ---------------------------------------------------------------- the driver
@@ -313,6 +322,11 @@ def summarise(rows: list[dict], picks: dict) -> list[dict]:
                "pick": picks.get((rate, workers), {}).get("label") == label}
         add_ratios(row, by_round, label, "time_to_target", PEERS)
         out.append(row)
+    fp32 = {(r["rate"], r["workers"]): r["steps_to_target"] for r in out if r["contestant"] == "ddp"}
+    for row in out:  # what `netgain model --steps-from` reads: steps to target as a multiple of fp32's, in every round
+        reached, rounds = row["reached"].split("/")
+        row["codec"] = codec_name(row["contestant"])
+        row["steps_ratio"] = row["steps_to_target"] / fp32[row["rate"], row["workers"]] if reached == rounds else None
     return out
 
 
@@ -416,7 +430,9 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                   f"**{chosen['codec']}** "
                   f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
                   f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
-                  f"(timed here), codec cost {meta['codec_cost']}.", "",
+                  f"(timed here), codec cost {meta['codec_cost']}"
+                  + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
+                     if chosen.get("steps_from") else "") + ".", "",
                   "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
                   + " | steps to target | samples/s | wire MB/step | final val loss |",
                   "|---|---|---|" + "---|" * len(peers) + "---|---|---|---|"]
@@ -458,6 +474,11 @@ def main(argv=None) -> int:
                         "(as long as the last one took; the report says how many ran)")
     parser.add_argument("--codec-cost", choices=("calibrate", "free"), default="calibrate",
                         help="netgain model's codec cost for the pick (its default on cpu: timed on this machine)")
+    parser.add_argument("--steps-from", nargs="+", metavar="CSV",
+                        help="earlier results (this script's CSV) whose steps to target the pick weighs, as "
+                        "`netgain model --steps-from` does: by time to target among the codecs measured there")
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="only rewrite the report (md, csv, png beside it) from an earlier run's JSON")
     parser.add_argument("--quiet-wait", type=float, default=900,
                         help="seconds to wait for a load average below 1.0 before each cell (0: do not wait)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "time_to_accuracy")
@@ -471,6 +492,11 @@ def main(argv=None) -> int:
         parser.error("--rates: netgain model's pick needs a shaped link, and 'none' is not one")
     if args.worker:
         worker(args)
+        return 0
+    if args.report_from:
+        saved = json.loads(args.report_from.read_text())
+        picks = {(p["rate"], p["workers"]): p for p in saved["picks"]}
+        report(saved["rows"], summarise(saved["rows"], picks), picks, saved["meta"], args.report_from.with_suffix(""))
         return 0
     from netgain import models
     from provenance import git_commit, wait_for_quiet

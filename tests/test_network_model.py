@@ -407,3 +407,67 @@ def test_calibration_takes_the_largest_buckets_own_shapes():
     torch.manual_seed(0)
     timed = codec_profile(make_codec("lowrank", rank=2), 2, "calibrate", shapes=[(64, 32), (32,)])
     assert timed.encode_s_per_elem > 0 and timed.rank == 2
+
+
+def _steps_csv(path, rows):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([("rate", "workers", "contestant", "codec", "steps_ratio"),
+                                 *((r, w, "x", c, s) for r, w, c, s in rows)])
+    return str(path)
+
+
+def test_steps_are_read_per_world_size_and_median_over_cells(tmp_path):
+    low, q8 = "lowrank(rank=4,factors=fp32)", "gqsgd(bits=8,encoding=packed)"
+    a = _steps_csv(tmp_path / "a.csv", [("50mbit", 2, "none", 1.0), ("50mbit", 2, low, 1.1), ("50mbit", 2, "", 1.3),
+                                        ("50mbit", 3, low, 1.5), ("50mbit", 3, q8, 1.2), ("50mbit", 2, "randomk(ratio=0.01)", "")])
+    b = _steps_csv(tmp_path / "b.csv", [("1gbit", 2, low, 1.3), ("1gbit", 3, q8, 1.4)])
+    steps = advise.read_steps([a, b], 2)
+    assert steps[low] == pytest.approx(1.2)  # the median over both files' 2-worker rows; 3 workers ignored
+    assert steps[q8] == pytest.approx(1.3)  # no 2-worker rows: its other rows
+    assert steps["randomk(ratio=0.01)"] == math.inf  # never reached
+    assert "" not in steps  # PyTorch's hooks have no netgain codec
+    with pytest.raises(ValueError, match="--steps-from .*missing codec, steps_ratio"):
+        (tmp_path / "bad.csv").write_text("workers,x\n2,1\n")
+        advise.read_steps([str(tmp_path / "bad.csv")], 2)
+    with pytest.raises(ValueError, match="--steps-from .*steps_ratio must be > 0"):
+        advise.read_steps([_steps_csv(tmp_path / "neg.csv", [("x", 2, low, -1)])], 2)
+    with pytest.raises(ValueError, match="--steps-from .*steps_ratio must be > 0"):
+        advise.read_steps([_steps_csv(tmp_path / "text.csv", [("x", 2, low, "fast")])], 2)
+    with pytest.raises(ValueError, match="--steps-from"):
+        advise.read_steps([str(tmp_path / "missing.csv")], 2)
+
+
+def test_measured_steps_turn_the_recommendation_into_time_to_target():
+    shapes = [(1024, 1024)] * 8 + [(1024,)] * 8
+    buckets, tensors = map(list, zip(*net.ddp_bucket_layout([math.prod(s) for s in shapes])))
+    bucket_shapes = net.ddp_bucket_shapes(shapes, tensors)
+    profiles = candidate_profiles(2, "free")
+    link = net.preset("lab-100mbit")
+    by_step = advise.recommend(advise.evaluate(buckets, 2, link, 0.05, profiles, tensors=tensors, shapes=bucket_shapes))
+    # the step-time pick never reaches the target; quantization needs as many steps as fp32
+    steps = {by_step.profile.name: math.inf, "gqsgd(bits=8,encoding=packed)": 1.0, "gqsgd(bits=4,encoding=packed)": 1.0}
+    rows = advise.evaluate(buckets, 2, link, 0.05, profiles, tensors=tensors, shapes=bucket_shapes, steps=steps)
+    chosen = advise.recommend(rows)
+    assert chosen.profile.name in ("gqsgd(bits=8,encoding=packed)", "gqsgd(bits=4,encoding=packed)")
+    assert all(r.time_s == pytest.approx(r.prediction.step_s * r.steps) for r in rows if r.steps is not None)
+    assert next(r for r in rows if r.profile.name == "none").steps == 1.0
+    # unmeasured codecs are not recommended: they would look as if they converged like fp32
+    faster = [r for r in rows if r.convergence in advise.CONVERGES and r.time_s < chosen.time_s / 1.05]
+    assert faster and all(r.steps is None for r in faster)
+    table = advise.format_table(rows, chosen, sum(buckets))
+    assert "steps x" in table and "| - | - |" in table
+
+
+def test_cli_steps_from_prints_time_to_target(tmp_path, capsys):
+    path = _steps_csv(tmp_path / "s.csv", [("lab", 2, "gqsgd(bits=4,encoding=packed)", 1.1)])
+    assert cli.main(["model", "--params", "1e7", "--workers", "2", "--link", "lab-100mbit", "--compute-ms", "50",
+                     "--codec-cost", "free", "--steps-from", path]) == 0
+    out = capsys.readouterr().out
+    assert "to-target speedup" in out and "recommendation: gqsgd(bits=4,encoding=packed)" in out
+    assert "1.1x its steps to the target" in out
+    with pytest.raises(SystemExit):
+        cli.main(["model", "--params", "1e7", "--workers", "2", "--link", "lab-100mbit", "--compute-ms", "50",
+                  "--steps-from", str(tmp_path / "none.csv")])
+    assert "--steps-from" in capsys.readouterr().err

@@ -4,12 +4,14 @@ Users' first complaint about gradient compression is that it does not speed anyt
 cluster. This runs the alpha-beta model of netgain.cost.network for every codec on the given
 model size, world size and fabric, prints step time, communication and speedup, and recommends
 the least lossy codec (most bytes on the wire) that comes within a tolerance of the fastest, which
-is "none" when nothing pays off.
+is "none" when nothing pays off. Given measured steps to a target loss (`--steps-from`, as
+bench/time_to_accuracy.py writes them), "fastest" means time to target: step time x steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 from dataclasses import dataclass
@@ -30,9 +32,54 @@ class Row:
     prediction: net.Prediction
     speedup: float
     convergence: str  # "unbiased", "low-rank" (error feedback) or "biased": see CONVERGES
+    steps: float | None = None  # steps to the target loss / fp32's (inf: never reached); None: not measured
+
+    @property
+    def time_s(self) -> float:
+        """Predicted seconds to the target per fp32 step: step time x steps (step time where not measured)."""
+        return self.prediction.step_s * (1.0 if self.steps is None else self.steps)
 
 
 CONVERGES = ("unbiased", "low-rank")  # recommended without --allow-biased
+STEPS_COLUMNS = ("workers", "codec", "steps_ratio")
+
+
+def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
+    """Steps to a target loss per codec, as a multiple of fp32's, from CSV files with the columns
+    workers, codec, steps_ratio (bench/time_to_accuracy.py's *.csv has them; rows without a codec,
+    such as PyTorch's hooks, are skipped). Convergence depends on the world size (the global batch),
+    not on the link: the rows at `world_size` are used where a codec has any, else its others; the
+    median over cells. An empty steps_ratio (the target not reached) counts as never."""
+    found: dict[str, dict[bool, list[float]]] = {}
+    for path in paths:
+        try:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                missing = [c for c in STEPS_COLUMNS if c not in (reader.fieldnames or ())]
+                if missing:
+                    raise ValueError(f"--steps-from {path}: needs the columns {', '.join(STEPS_COLUMNS)}; "
+                                     f"missing {', '.join(missing)}")
+                for row in reader:
+                    if not row["codec"]:
+                        continue
+                    try:
+                        ratio = float(row["steps_ratio"]) if row["steps_ratio"] else math.inf
+                    except ValueError:
+                        ratio = math.nan
+                    if not ratio > 0:
+                        raise ValueError(f"--steps-from {path}: steps_ratio must be > 0, got {row['steps_ratio']!r} "
+                                         f"for {row['codec']}")
+                    same = int(row["workers"]) == world_size
+                    found.setdefault(row["codec"], {True: [], False: []})[same].append(ratio)
+        except OSError as error:
+            raise ValueError(f"--steps-from {path}: {error.strerror}") from error
+    return {codec: _median(by[True] or by[False]) for codec, by in found.items()}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def count_parameters(model_dir: str) -> list[tuple[int, ...]]:
@@ -96,22 +143,27 @@ def resolve_link(args) -> tuple[net.Link, str]:
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
              profiles: list[tuple[net.CodecProfile, str]], algorithm: str = "auto",
              tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None,
-             codec_shares_compute: bool = False) -> list[Row]:
+             codec_shares_compute: bool = False, steps: dict[str, float] | None = None) -> list[Row]:
     """Predict every candidate codec, given as (profile, convergence) data: netgain.cost knows no
     codecs (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per
     bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors;
-    `codec_shares_compute`: see net.predict (True on CPU workers)."""
+    `codec_shares_compute`: see net.predict (True on CPU workers); `steps`: measured steps to the
+    target per codec name (read_steps; "none" is 1 by definition)."""
     predictions = [(profile, convergence, net.predict(buckets, world_size, link, profile, compute_s,
                                                       algorithm=algorithm, tensors=tensors, shapes=shapes,
                                                       codec_shares_compute=codec_shares_compute))
                    for profile, convergence in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
-    return [Row(prof, p, baseline / p.step_s, convergence) for prof, convergence, p in predictions]
+    steps = None if steps is None else {**steps, "none": 1.0}
+    return [Row(prof, p, baseline / p.step_s, convergence, None if steps is None else steps.get(prof.name))
+            for prof, convergence, p in predictions]
 
 
 def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) -> Row:
-    """The least lossy codec (most bytes on the wire) within `tolerance` of the fastest step time,
-    among the codecs that keep training on course (CONVERGES, and "none") unless `biased`.
+    """The least lossy codec (most bytes on the wire) within `tolerance` of the fastest, among the
+    codecs that keep training on course (CONVERGES, and "none") unless `biased`. With measured steps
+    (any row's `steps` set) the fastest is by time to target (Row.time_s), among measured codecs only:
+    an unmeasured one would look as if it converged like fp32.
 
     Step time says nothing of convergence. An unbiased code keeps SGD's guarantees (its variance is
     bounded); low rank with error feedback matches SGD's accuracy at rank >= 2 (PowerSGD), and on
@@ -123,24 +175,32 @@ def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) ->
     if tolerance < 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
     rows = rows if biased else [r for r in rows if r.convergence in CONVERGES]
-    best = min(r.prediction.step_s for r in rows)
-    close = [r for r in rows if r.prediction.step_s <= best * (1 + tolerance)]
-    return max(close, key=lambda r: (r.prediction.payload_bytes, -r.prediction.step_s))
+    if any(r.steps is not None and r.profile.name != "none" for r in rows):
+        rows = [r for r in rows if r.steps is not None]
+    best = min(r.time_s for r in rows)
+    close = [r for r in rows if r.time_s <= best * (1 + tolerance)]
+    return max(close, key=lambda r: (r.prediction.payload_bytes, -r.time_s))
 
 
 def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
-    """The predictions as Markdown; bits/elem: payload (headers and factors included) per gradient element."""
+    """The predictions as Markdown; bits/elem: payload (headers and factors included) per gradient element.
+    With measured steps: steps to target (x fp32's) and the speedup in time to target."""
+    measured = any(r.steps is not None for r in rows)
     head = ("| codec | bits/elem | collective | convergence | payload MB/step | comm s | codec s "
-            "| exposed s | step s | speedup |")
-    lines = [head, "|" + "---|" * 10]
+            "| exposed s | step s | speedup |" + (" steps x | to-target speedup |" if measured else ""))
+    lines = [head, "|" + "---|" * (12 if measured else 10)]
+    baseline = next(r.time_s for r in rows if r.profile.name == "none")
     for r in rows:
         p = r.prediction
         mark = " **<-**" if r is chosen else ""
-        lines.append(
-            f"| {r.profile.name}{mark} | {8 * p.payload_bytes / elements:.3g} | {r.profile.collective} | "
-            f"{r.convergence} | {p.payload_bytes / 1e6:.3g} | {p.comm_s:.4g} | "
-            f"{p.encode_s + p.decode_s:.4g} | {p.exposed_comm_s:.4g} | {p.step_s:.4g} | "
-            f"{r.speedup:.2f}x |")
+        line = (f"| {r.profile.name}{mark} | {8 * p.payload_bytes / elements:.3g} | {r.profile.collective} | "
+                f"{r.convergence} | {p.payload_bytes / 1e6:.3g} | {p.comm_s:.4g} | "
+                f"{p.encode_s + p.decode_s:.4g} | {p.exposed_comm_s:.4g} | {p.step_s:.4g} | "
+                f"{r.speedup:.2f}x |")
+        if measured:
+            line += (" - | - |" if r.steps is None else
+                     " never | 0 |" if math.isinf(r.steps) else f" {r.steps:.3g} | {baseline / r.time_s:.2f}x |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -180,6 +240,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="let the recommendation be a biased codec (top-k/random-k, 16-bit casts), whose "
                         "convergence the step time does not show; default: unbiased codecs and low rank "
                         "with error feedback only")
+    parser.add_argument("--steps-from", nargs="+", metavar="CSV",
+                        help="measured steps to a target loss per codec (columns workers, codec, steps_ratio: "
+                        "steps / fp32's; bench/time_to_accuracy.py's CSV has them): the recommendation is then "
+                        "by time to target, step time x steps, among the measured codecs (rows at --workers "
+                        "where there are any; the median over cells)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
                         "(default 0.05, >= 0)")
@@ -231,6 +296,7 @@ def check_args(args) -> None:
 def run(args) -> int:
     check_args(args)
     link, device = resolve_link(args)
+    steps = read_steps(args.steps_from, args.workers) if args.steps_from else None
     gpu = GPUS.get(args.gpu or device)
     cost_name = args.codec_cost or ("memory" if gpu else "calibrate")
     if cost_name == "memory" and gpu is None:
@@ -260,7 +326,7 @@ def run(args) -> int:
 
     profiles = args.codec_profiles(args.workers, cost, calibration_shapes(bucket_shapes, args.workers))
     rows = evaluate(buckets, args.workers, link, compute_s, profiles, args.algorithm, tensors, bucket_shapes,
-                    codec_shares_compute=gpu is None)
+                    codec_shares_compute=gpu is None, steps=steps)
     chosen = recommend(rows, args.tolerance, args.allow_biased)
     print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
           f"{args.workers} workers")
@@ -273,11 +339,12 @@ def run(args) -> int:
     print()
     print(format_table(rows, chosen, params))
     print()
+    to_target = f", {chosen.steps:.3g}x its steps to the target" if chosen.steps is not None else ""
     if chosen.profile.name == "none":
-        best = max((r for r in rows if r.convergence in CONVERGES or args.allow_biased), key=lambda r: r.speedup)
-        print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster; "
-              f"best: {best.profile.name} at {best.speedup:.2f}x)")
+        best = min((r for r in rows if r.convergence in CONVERGES or args.allow_biased), key=lambda r: r.time_s)
+        print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster"
+              f"{' to the target' if steps else ''}; best: {best.profile.name} at {best.speedup:.2f}x the step speed)")
     else:
         print(f"recommendation: {chosen.profile.name} "
-              f"({chosen.speedup:.2f}x the step speed of no compression)")
+              f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
     return 0
