@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 import time
@@ -57,12 +58,15 @@ def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int
         key = tuple(sorted(sizes.items()))
         if key not in seen:
             candidate = compression.build(model, variant)
-            seen[key] = {f"ppl_{n}": evaluate.perplexity(candidate, c) for n, c in held_out.items()}
+            losses = {n: evaluate.chunk_losses(candidate, c) for n, c in held_out.items()}
+            seen[key] = {**{f"ppl_{n}": math.exp(sum(l) / len(l)) for n, l in losses.items()},
+                         **{f"nll_{n}": l for n, l in losses.items()}}
             del candidate
         cell["variants"][variant] = {**summary[variant], **seen[key], "objective": objective(compression.units, sizes),
                                      "same_as_round_down": sizes == compression.sizes["round-down"], "sizes": sizes}
-    for corpus in held_out:
-        cell[f"gac_vs_round_down_{corpus}"] = cell["variants"]["gac"][f"ppl_{corpus}"] / cell["variants"]["round-down"][f"ppl_{corpus}"]
+    for corpus in held_out:  # the ratio, and its interval from the chunk-to-chunk spread of the paired loss difference
+        ratio, low, high = evaluate.paired_ratio(cell["variants"]["gac"][f"nll_{corpus}"], cell["variants"]["round-down"][f"nll_{corpus}"])
+        cell[f"gac_vs_round_down_{corpus}"], cell[f"gac_vs_round_down_{corpus}_interval"] = ratio, (low, high)
     return cell
 
 
@@ -71,7 +75,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / "runs" / "gemma3-270m"), help="Gemma-3-270M directory (converted on first use)")
     parser.add_argument("--calib-chunks", type=int, default=8)
     parser.add_argument("--calib-len", type=int, default=256)
-    parser.add_argument("--eval-chunks", type=int, default=4)
+    parser.add_argument("--eval-chunks", type=int, default=16, help="held-out chunks per corpus (their spread gives the interval)")
     parser.add_argument("--eval-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=512, help="the prefill length GAC's A100 cost model prices")
     parser.add_argument("--cells", nargs="*", help="method:ratio cells to (re)run, e.g. asvd:0.9 (default: all not yet in --state)")
@@ -141,9 +145,11 @@ def main() -> int:
     return 0
 
 
-def ranking_check(cells) -> tuple[dict, dict]:
-    """Pairs of a cell's variants (distinct sizes) that the objective orders as measured perplexity does, per corpus."""
-    agree, pairs = dict.fromkeys(CORPORA, 0), dict.fromkeys(CORPORA, 0)
+def ranking_check(cells) -> tuple[dict, dict, dict]:
+    """Pairs of a cell's variants (distinct sizes) that the objective orders as measured perplexity does,
+    per corpus: (agreeing, pairs, pairs resolved). A pair is resolved when the paired interval of its
+    perplexity ratio excludes 1; within it, the held-out text alone could order the two either way."""
+    agree, pairs, resolved = (dict.fromkeys(CORPORA, 0) for _ in range(3))
     for c in cells:
         variants = {}
         for v, r in c["variants"].items():  # one entry per distinct set of sizes
@@ -154,9 +160,15 @@ def ranking_check(cells) -> tuple[dict, dict]:
                 if a["objective"] == b["objective"]:
                     continue
                 for k in CORPORA:
+                    if f"nll_{k}" in a:
+                        _, low, high = evaluate.paired_ratio(a[f"nll_{k}"], b[f"nll_{k}"])
+                        if low <= 1 <= high:
+                            pairs[k] += 1
+                            continue
                     pairs[k] += 1
+                    resolved[k] += 1
                     agree[k] += (a["objective"] > b["objective"]) == (a[f"ppl_{k}"] < b[f"ppl_{k}"])
-    return agree, pairs
+    return agree, pairs, resolved
 
 
 def write(cells, dense, args, seconds: float, wanted: int) -> None:
@@ -183,17 +195,23 @@ def write(cells, dense, args, seconds: float, wanted: int) -> None:
                          f"| {r['objective']:.4g} | {r['ppl_kjv']:.3f} | {r['ppl_stdlib']:.3f} |")
     lines += ["", "| method | ratio | GAC / round-down ppl (kjv) | GAC / round-down ppl (stdlib) | GAC / budget | GAC aligned %8 |",
               "|---|---|---|---|---|---|"]
+    interval = lambda c, k: (f" ({c[f'gac_vs_round_down_{k}_interval'][0]:.4f}-{c[f'gac_vs_round_down_{k}_interval'][1]:.4f})"  # noqa: E731
+                             if f"gac_vs_round_down_{k}_interval" in c else "")
     for c in cells:
         g = c["variants"]["gac"]
-        lines.append(f"| {c['method']} | {c['ratio']} | {c['gac_vs_round_down_kjv']:.4f} | {c['gac_vs_round_down_stdlib']:.4f} "
-                     f"| {g['vs_budget']:.4f} | {100 * g['aligned_8']:.0f}% |")
+        lines.append(f"| {c['method']} | {c['ratio']} | {c['gac_vs_round_down_kjv']:.4f}{interval(c, 'kjv')} "
+                     f"| {c['gac_vs_round_down_stdlib']:.4f}{interval(c, 'stdlib')} | {g['vs_budget']:.4f} | {100 * g['aligned_8']:.0f}% |")
     within = all(c["variants"]["gac"]["vs_budget"] <= 1.0 for c in cells)
     aligned = all(c["variants"]["gac"]["aligned_8"] == 1.0 for c in cells)
+    lines.append("\nIn brackets: 95% interval of the ratio from the chunk-to-chunk spread of the paired loss difference "
+                 "(mean +- 1.96 standard errors over the chunks): how far the choice of held-out text alone moves it.")
     lines.append(f"\nGAC's perplexity is no worse than round-down's in {100 * no_worse:.0f}% of the {len(ratios)} (cell, corpus) pairs; "
                  f"worst ratio {max(ratios):.4f} ({len(cells)} of the {wanted} cells finished). GAC within the raw budget in every cell: {within}; 100% aligned in every cell: {aligned}.\n")
-    agree, pairs = ranking_check(cells)
-    lines.append("The objective against measured perplexity: over every pair of a cell's variants with different sizes, the "
-                 "objective ranks them as perplexity does in " + ", ".join(f"{agree[k]} of {pairs[k]} ({k})" for k in CORPORA) + ".\n")
+    agree, pairs, resolved = ranking_check(cells)
+    lines.append("The objective against measured perplexity: of the pairs of a cell's variants with different sizes whose "
+                 "perplexity ratio's interval excludes 1, the objective ranks them as perplexity does in "
+                 + ", ".join(f"{agree[k]} of {resolved[k]} ({k}; {pairs[k] - resolved[k]} of {pairs[k]} pairs within the interval)"
+                             for k in CORPORA) + ".\n")
     text = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)

@@ -1,6 +1,7 @@
 """ASVD low-rank compression, GAC selection, naive rounding and save/load on tiny random HF models."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -146,8 +147,9 @@ def test_gac_keeps_a_cliff_free_size_when_the_proposal_sits_on_a_cliff():
 
 def test_cuts_below_round_down_stay_within_the_trust_region():
     big, small = LowRankUnit("b", 300, 640, 1.0, 640, 1024), LowRankUnit("s", 45, 640, 1.0, 640, 1024)
-    assert gac.candidate_sizes(big, 8, 4) == [272, 280, 288, 296, 304, 312, 320, 328, 336]  # round-down 296; >= 270 below it
-    assert gac.candidate_sizes(small, 8, 4) == [40, 48, 56, 64, 72, 80]  # nothing under round-down's 40 (10% of 45)
+    assert gac.candidate_sizes(big, 8, 4) == [296, 304, 312, 320, 328, 336]  # by default nothing under round-down's 296
+    assert gac.candidate_sizes(big, 8, 4, trust=0.1) == [272, 280, 288, 296, 304, 312, 320, 328, 336]  # >= 270 below it
+    assert gac.candidate_sizes(small, 8, 4, trust=0.1) == [40, 48, 56, 64, 72, 80]  # nothing under 40 (10% of 45)
     assert gac.candidate_sizes(small, 8, 4, trust=1.0) == [16, 24, 32, 40, 48, 56, 64, 72, 80]
 
 
@@ -209,6 +211,19 @@ def test_measurements_run_on_a_tiny_model():
     assert set(latency) == {"a", "b"}
     assert all(t["prefill_s"] > 0 and t["decode_s"] > 0 for t in latency.values())
     assert 1 < evaluate.perplexity(model, batches(2)) < 1e4
+    losses = evaluate.chunk_losses(model, batches(3))
+    assert evaluate.perplexity(model, batches(3)) == pytest.approx(math.exp(sum(losses) / 3))
+
+
+def test_paired_ratio_is_the_perplexity_ratio_with_the_chunks_spread():
+    ratio, low, high = evaluate.paired_ratio([1.1, 2.1, 3.1], [1.0, 2.0, 3.0])
+    assert ratio == pytest.approx(math.exp(0.1)) and low == pytest.approx(ratio) and high == pytest.approx(ratio)
+    ratio, low, high = evaluate.paired_ratio([1.0, 2.2], [1.0, 2.0])
+    spread = 0.1  # the differences' standard deviation (0.141) / sqrt(2)
+    assert ratio == pytest.approx(math.exp(0.1)) and high == pytest.approx(math.exp(0.1 + 1.96 * spread))
+    assert low < 1 < high  # a gap the chunk-to-chunk spread covers
+    with pytest.raises(ValueError, match="same chunks"):
+        evaluate.paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_bad_arguments():

@@ -44,15 +44,33 @@ def token_chunks(tokenizer, text: str, seq_len: int, count: int) -> list[torch.T
     return [torch.tensor(ids[i * seq_len : (i + 1) * seq_len]).unsqueeze(0) for i in range(count)]
 
 
-@torch.inference_mode()
 def perplexity(model: nn.Module, chunks: list[torch.Tensor]) -> float:
     """exp(mean next-token negative log-likelihood) over the chunks."""
-    total, tokens = 0.0, 0
+    losses = chunk_losses(model, chunks)
+    predictions = [ids.shape[1] - 1 for ids in chunks]
+    return math.exp(sum(l * n for l, n in zip(losses, predictions)) / sum(predictions))
+
+
+@torch.inference_mode()
+def chunk_losses(model: nn.Module, chunks: list[torch.Tensor]) -> list[float]:
+    """Mean next-token negative log-likelihood of each chunk: two models compared chunk by chunk on
+    the same text give a paired difference whose spread says how far the text alone moves it."""
+    out = []
     for ids in chunks:
         logits = model(input_ids=ids.to(model.device), use_cache=False).logits[0, :-1].float()
-        total += nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device), reduction="sum").item()
-        tokens += ids.shape[1] - 1
-    return math.exp(total / tokens)
+        out.append(nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device)).item())
+    return out
+
+
+def paired_ratio(losses: list[float], baseline: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Perplexity ratio of two models on the same equal-length chunks, with the interval from the
+    chunk-to-chunk spread of their loss difference (mean +- z standard errors): (ratio, low, high)."""
+    if len(losses) != len(baseline) or not losses:
+        raise ValueError(f"losses and baseline: need the same chunks, got {len(losses)} and {len(baseline)}")
+    diffs = [a - b for a, b in zip(losses, baseline)]
+    mean = sum(diffs) / len(diffs)
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) if len(diffs) > 1 else math.inf
+    return math.exp(mean), math.exp(mean - z * spread), math.exp(mean + z * spread)
 
 
 @torch.inference_mode()
