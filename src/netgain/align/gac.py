@@ -1,7 +1,8 @@
 """GAC: re-select each unit's size among hardware-aligned, non-cliff candidates under the compressor's budget.
 
 Given a compressor's units (proposed size d_i*, a value per size), GAC offers each unit the multiples of
-the alignment within a few steps of d_i*, adds "leave it unchanged" where compressing at d_i*
+the alignment within a few steps of d_i* and no smaller than round-down's (TRUST_REGION), adds
+"leave it unchanged" where compressing at d_i*
 does not pay in latency, drops the latency cliffs that the cost model (measured or analytic)
 shows — a candidate slower than a larger candidate of the same unit — and solves the knapsack
 
