@@ -60,14 +60,14 @@ def test_noise_is_a_pure_function_of_keys_and_independent_of_the_layout():
     forward, backward = segments(), segments(list(reversed(range(len(SIZES)))))
     keys_f, keys_b = fused.step_keys(forward.keys, 3, 7, 1), fused.step_keys(backward.keys, 3, 7, 1)
     x = torch.zeros(sum(SIZES))
-    noise_f = fused.uniform_noise.eager(x, forward.seg, forward.starts, keys_f)
-    noise_b = fused.uniform_noise.eager(x, backward.seg, backward.starts, keys_b)
+    noise_f = fused.element_noise(x, forward.seg, forward.starts, keys_f)
+    noise_b = fused.element_noise(x, backward.seg, backward.starts, keys_b)
     parts_f = dict(zip(range(len(SIZES)), noise_f.split(SIZES)))
     parts_b = dict(zip(reversed(range(len(SIZES))), noise_b.split(list(reversed(SIZES)))))
     assert all(torch.equal(parts_f[i], parts_b[i]) for i in range(len(SIZES)))  # each parameter's own noise
-    again = fused.uniform_noise.eager(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 1))
+    again = fused.element_noise(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 1))
     assert torch.equal(noise_f, again)
-    other_rank = fused.uniform_noise.eager(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 2))
+    other_rank = fused.element_noise(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 2))
     assert (noise_f != other_rank).float().mean() > 0.99
     assert 0 <= float(noise_f.min()) and float(noise_f.max()) < 1 and abs(float(noise_f.mean()) - 0.5) < 0.01
 
@@ -110,3 +110,12 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
         words = fused.pack(torch.empty(total, dtype=torch.int32), padded, 127, width)
         unpacked = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, 127, width)
         assert torch.equal(unpacked, expected.float() * multiplier[seg])
+
+
+def test_exponential_ring_hop_is_identical_compiled_and_eager(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(-127, 128, (4099,), generator=g, dtype=torch.int8) for _ in range(2))
+    key = torch.tensor(12345, dtype=torch.int32)
+    monkeypatch.setenv("NETGAIN_COMPILE", "1")
+    compiled = fused.exp_combine(a, b, key, 3, 127)
+    assert torch.equal(compiled, fused.exp_combine.eager(a, b, key, 3, 127))

@@ -294,22 +294,18 @@ class GlobalQSGDExp(Int8Codes):
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
             s = ctx.segments
-            noise = fused.uniform_noise(x, s.seg, s.starts, ctx.noise_keys)
-            top = Q.exp_top_exponent(ctx.world_size)
-            return Q.exp_encode(x / ctx.scales[s.seg.long()], top, self.levels, noise)
+            return fused.exp_encode(x, s.seg, s.starts, ctx.scales, ctx.noise_keys, Q.exp_top_exponent(ctx.world_size),
+                                    self.levels)
 
     def combine(self, a, b, hop_key: int, ctx):
         """Merge two chunks of codes at one ring hop; the noise is keyed by the hop and this rank."""
         with ctx.timed("decode_s"):
-            top = Q.exp_top_exponent(ctx.world_size)
-            counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ (ctx.noise_keys[0] ^ hop_key)
-            return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, self.levels, fused.uniform(counter))
+            return fused.exp_combine(a, b, ctx.noise_keys[0] ^ hop_key, Q.exp_top_exponent(ctx.world_size), self.levels)
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            top = Q.exp_top_exponent(ctx.world_size)
-            return fused.scale_into(out, Q.exp_decode(aggregated, top), ctx.segments,
-                                    ctx.scales / ctx.world_size)
+            return fused.exp_decode_into(out, aggregated, ctx.segments.seg, ctx.scales / ctx.world_size,
+                                         Q.exp_top_exponent(ctx.world_size))
 
 
 class Sparsifier(Codec):

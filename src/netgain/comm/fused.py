@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import quantize as Q
+
 COMPILE_MODES = ("auto", "1", "0")
 ROW = 1024  # elements per row of a bucket's segment table (Segments)
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
@@ -295,12 +297,34 @@ def cast_scaled(out, x, scale: float) -> torch.Tensor:
     return out.copy_(x * scale)
 
 
-@kernel
-def uniform_noise(x, seg, starts, noise_keys) -> torch.Tensor:
-    """The noise of every element (for codecs whose rounding is not a plain multiply-and-floor)."""
+# ---- exponential dithering (gqsgd-exp): codes are not summable, every ring hop re-encodes --------
+
+
+def element_noise(x, seg, starts, noise_keys) -> torch.Tensor:
+    """The noise of every element, counted by its index inside its parameter (for codecs whose rounding
+    is not a plain multiply-and-floor; inside their kernels, so it costs no pass of its own)."""
     index = torch.arange(x.numel(), device=x.device, dtype=torch.int32)
     s = seg.long()
     return uniform((index - starts[s]) ^ noise_keys[s])
+
+
+@kernel
+def exp_encode(x, seg, starts, scales, noise_keys, top: int, exponents: int) -> torch.Tensor:
+    """Power-of-two codes of x / scales[param], each element's noise keyed by its parameter: one pass."""
+    return Q.exp_encode(x / scales[seg.long()], top, exponents, element_noise(x, seg, starts, noise_keys))
+
+
+@kernel
+def exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
+    """One ring hop: decode two chunks of codes, add, re-encode with noise keyed by (hop, rank)."""
+    counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ key
+    return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter))
+
+
+@kernel
+def exp_decode_into(out, codes, seg, factor, top: int) -> torch.Tensor:
+    """out = value of the codes * factor[param], into the bucket's own buffer."""
+    return out.copy_(Q.exp_decode(codes, top) * factor[seg.long()])
 
 
 @kernel

@@ -70,16 +70,16 @@ def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -
     Code c != 0 means sign(c) * 2**(top + 1 - |c|); c = 0 means zero. ``exponents`` codes per sign
     cover 2**top down to 2**(top + 1 - exponents); below that, values round to 0 or the smallest
     level with the probability that keeps the mean. ``noise``: U[0, 1), one per element.
+    The power of two at or below |x| is read from its float32 exponent bits (integer arithmetic and
+    exact power-of-two multiplies: torch.compile fuses it into one pass, where frexp falls back).
     """
-    mag = x.abs()
-    smallest = 2.0 ** (top + 1 - exponents)
-    _, exponent = torch.frexp(mag)  # mag = m * 2**exponent with m in [0.5, 1): exact, no log2 rounding
-    low = torch.where(mag < smallest, torch.zeros_like(mag), torch.ldexp(torch.ones_like(mag), exponent - 1))
-    step = torch.where(mag < smallest, torch.full_like(mag, smallest), low)  # gap to the next level
-    rounded = low + step * (noise < (mag - low) / step).to(x.dtype)
-    _, exponent = torch.frexp(rounded)  # rounded = 0.5 * 2**exponent exactly
-    code = (top + 2 - exponent).clamp(1, exponents)  # clamp(1) saturates above 2**top
-    code = torch.where(rounded > 0, code, torch.zeros_like(code))
+    mag = x.abs().float()
+    smallest = 2.0 ** (top + 1 - exponents)  # >= 2**-125 for exponents <= 127: a normal float
+    biased = mag.view(torch.int32) >> 23  # 2 ** (biased - 127) <= mag < 2 ** (biased - 126)
+    tiny = mag < smallest
+    inverse = ((254 - biased).clamp(min=0) << 23).view(torch.float32)  # 2 ** (127 - biased)
+    up = (noise < torch.where(tiny, mag * (1.0 / smallest), mag * inverse - 1.0)).to(torch.int32)
+    code = torch.where(tiny, up * exponents, (top + 128 - biased - up).clamp(1, exponents))  # clamp(1): saturate
     return (code * torch.sign(x)).to(torch.int8)
 
 
