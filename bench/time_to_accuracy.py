@@ -18,7 +18,8 @@ round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in
 `netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
 step timed here and the cell's lab link) is made before the run and always runs as a contestant;
 with `--steps-from` earlier results' steps to target enter it (time to target = step time x steps).
-The CSV's `codec` and `steps_ratio` columns are what `netgain model --steps-from` reads.
+The CSV's `codec` and `steps_ratio` columns are what `netgain model --steps-from` reads (steps_ratio
+is empty unless the contestant reached the target in every round).
 
     python bench/time_to_accuracy.py                                   # root: the issue's grid
     python bench/time_to_accuracy.py --rates 100mbit --workers 2 --contestants ddp ddp-fp16 gqsgd-8
@@ -432,7 +433,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                   f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
                   f"(timed here), codec cost {meta['codec_cost']}"
                   + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
-                     if chosen.get("steps_from") else "") + ".", "",
+                     if chosen.get("steps") is not None else "") + ".", "",
                   "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
                   + " | steps to target | samples/s | wire MB/step | final val loss |",
                   "|---|---|---|" + "---|" * len(peers) + "---|---|---|---|"]
@@ -478,7 +479,8 @@ def main(argv=None) -> int:
                         help="earlier results (this script's CSV) whose steps to target the pick weighs, as "
                         "`netgain model --steps-from` does: by time to target among the codecs measured there")
     parser.add_argument("--report-from", type=Path, metavar="JSON",
-                        help="only rewrite the report (md, csv, png beside it) from an earlier run's JSON")
+                        help="only rewrite the report from an earlier run's JSON (md, csv, png beside it, and the "
+                        "JSON itself with the summary recomputed)")
     parser.add_argument("--quiet-wait", type=float, default=900,
                         help="seconds to wait for a load average below 1.0 before each cell (0: do not wait)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "time_to_accuracy")

@@ -220,8 +220,9 @@ def test_paired_ratio_is_the_perplexity_ratio_with_the_chunks_spread():
     assert ratio == pytest.approx(math.exp(0.1)) and low == pytest.approx(ratio) and high == pytest.approx(ratio)
     ratio, low, high = evaluate.paired_ratio([1.0, 2.2], [1.0, 2.0])
     spread = 0.1  # the differences' standard deviation (0.141) / sqrt(2)
-    assert ratio == pytest.approx(math.exp(0.1)) and high == pytest.approx(math.exp(0.1 + 1.96 * spread))
+    assert ratio == pytest.approx(math.exp(0.1)) and high == pytest.approx(math.exp(0.1 + 12.706 * spread))  # t, 1 dof
     assert low < 1 < high  # a gap the chunk-to-chunk spread covers
+    assert evaluate.paired_ratio([1.5], [1.0]) == (pytest.approx(math.exp(0.5)), 0.0, math.inf)  # one chunk: no spread
     with pytest.raises(ValueError, match="same chunks"):
         evaluate.paired_ratio([1.0], [1.0, 2.0])
 

@@ -431,10 +431,15 @@ def test_steps_are_read_per_world_size_and_median_over_cells(tmp_path):
     with pytest.raises(ValueError, match="--steps-from .*missing codec, steps_ratio"):
         (tmp_path / "bad.csv").write_text("workers,x\n2,1\n")
         advise.read_steps([str(tmp_path / "bad.csv")], 2)
-    with pytest.raises(ValueError, match="--steps-from .*steps_ratio must be > 0"):
-        advise.read_steps([_steps_csv(tmp_path / "neg.csv", [("x", 2, low, -1)])], 2)
-    with pytest.raises(ValueError, match="--steps-from .*steps_ratio must be > 0"):
-        advise.read_steps([_steps_csv(tmp_path / "text.csv", [("x", 2, low, "fast")])], 2)
+    for name, workers, ratio in (("neg", 2, -1), ("text", 2, "fast"), ("float-workers", "2.0", 1.1), ("no-workers", "", 1.1)):
+        with pytest.raises(ValueError, match=f"--steps-from .*{name}.csv, line 2: workers must be an integer"):
+            advise.read_steps([_steps_csv(tmp_path / f"{name}.csv", [("x", workers, low, ratio)])], 2)
+    (tmp_path / "short.csv").write_text("workers,codec,steps_ratio\n2,fp16\n")
+    with pytest.raises(ValueError, match="line 2"):
+        advise.read_steps([str(tmp_path / "short.csv")], 2)
+    (tmp_path / "binary.csv").write_bytes(b"workers,codec,steps_ratio\n\xff\xfe\n")
+    with pytest.raises(ValueError, match="not a text CSV"):
+        advise.read_steps([str(tmp_path / "binary.csv")], 2)
     with pytest.raises(ValueError, match="--steps-from"):
         advise.read_steps([str(tmp_path / "missing.csv")], 2)
 
@@ -457,7 +462,9 @@ def test_measured_steps_turn_the_recommendation_into_time_to_target():
     faster = [r for r in rows if r.convergence in advise.CONVERGES and r.time_s < chosen.time_s / 1.05]
     assert faster and all(r.steps is None for r in faster)
     table = advise.format_table(rows, chosen, sum(buckets))
-    assert "steps x" in table and "| - | - |" in table
+    assert "steps x" in table and "| - | - |" in table and "| never | 0.00x |" in table
+    with pytest.raises(ValueError, match="--steps-from: none of its codecs"):  # nothing it measured is weighed here
+        advise.evaluate(buckets, 2, link, 0.05, profiles, tensors=tensors, shapes=bucket_shapes, steps={"misspelt": 1.0})
 
 
 def test_cli_steps_from_prints_time_to_target(tmp_path, capsys):

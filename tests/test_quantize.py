@@ -74,3 +74,29 @@ def test_exp_dithering_is_unbiased_and_powers_of_two():
         nonzero = decoded[decoded != 0].abs()
         assert torch.equal(torch.exp2(torch.log2(nonzero).round()), nonzero)
         assert abs(decoded.mean().item() - value) < 3 * decoded.std().item() / 100_000 ** 0.5 + 1e-12
+
+
+def _exp_encode_frexp(x, top, exponents, noise):
+    """The rounding as first written, with frexp/ldexp: the oracle for exp_encode's exponent-bit arithmetic."""
+    mag = x.abs()
+    smallest = 2.0 ** (top + 1 - exponents)
+    _, exponent = torch.frexp(mag)
+    low = torch.where(mag < smallest, torch.zeros_like(mag), torch.ldexp(torch.ones_like(mag), exponent - 1))
+    step = torch.where(mag < smallest, torch.full_like(mag, smallest), low)
+    rounded = low + step * (noise < (mag - low) / step).to(x.dtype)
+    _, exponent = torch.frexp(rounded)
+    code = (top + 2 - exponent).clamp(1, exponents)
+    return (torch.where(rounded > 0, code, torch.zeros_like(code)) * torch.sign(x)).to(torch.int8)
+
+
+@pytest.mark.parametrize("top,exponents", [(1, 127), (2, 127), (3, 31), (4, 4), (8, 1)])
+def test_exp_codes_match_the_frexp_rounding_on_every_finite_exponent(top, exponents):
+    g = torch.Generator().manual_seed(top * 1000 + exponents)
+    bits = torch.randint(0, 1 << 31, (1 << 18,), generator=g, dtype=torch.int64)
+    bits = bits[(bits >> 23) % 256 != 255].to(torch.int32)  # every finite float32: subnormals, zeros, powers of two
+    x = bits.view(torch.float32) * torch.where(torch.rand(bits.numel(), generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 2.0 ** top, 2.0 ** (top + 1), -(2.0 ** 126)])])
+    below = x.abs() < 2.0 ** 127  # the oracle overflows above (its step doubles past float32's range)
+    for noise in (torch.rand(x.numel(), generator=g), torch.zeros(x.numel()), torch.full((x.numel(),), 1 - 2 ** -24)):
+        assert torch.equal(Q.exp_encode(x, top, exponents, noise)[below], _exp_encode_frexp(x, top, exponents, noise)[below])
+    assert Q.exp_encode(torch.tensor([float("inf"), -3e38]), top, exponents, torch.zeros(2)).tolist() == [1, -1]  # saturate

@@ -62,15 +62,23 @@ def chunk_losses(model: nn.Module, chunks: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def paired_ratio(losses: list[float], baseline: list[float], z: float = 1.96) -> tuple[float, float, float]:
-    """Perplexity ratio of two models on the same equal-length chunks, with the interval from the
-    chunk-to-chunk spread of their loss difference (mean +- z standard errors): (ratio, low, high)."""
+# Student's t at 97.5% for 1..30 degrees of freedom (a two-sided 95% interval); the normal's 1.96 beyond
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(losses: list[float], baseline: list[float]) -> tuple[float, float, float]:
+    """Perplexity ratio of two models on the same equal-length chunks, with the 95% interval from the
+    chunk-to-chunk spread of their loss difference (Student's t over the chunks): (ratio, low, high).
+    One chunk has no spread: (ratio, 0, inf)."""
     if len(losses) != len(baseline) or not losses:
         raise ValueError(f"losses and baseline: need the same chunks, got {len(losses)} and {len(baseline)}")
     diffs = [a - b for a, b in zip(losses, baseline)]
-    mean = sum(diffs) / len(diffs)
-    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) if len(diffs) > 1 else math.inf
-    return math.exp(mean), math.exp(mean - z * spread), math.exp(mean + z * spread)
+    n, mean = len(diffs), sum(diffs) / len(diffs)
+    if n == 1:
+        return math.exp(mean), 0.0, math.inf
+    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 @torch.inference_mode()

@@ -27,9 +27,10 @@ from .units import Unit, proposed_sizes, total_params
 ROUNDING = ("nearest", "down")
 # how far below its proposal (a fraction) GAC may cut a unit under round-down's size: none. The value
 # curve is the compressor's local prediction on the calibration text, and on held-out text it misjudged
-# every cut under round-down measured (bench/results/gac_grid.md): ASVD at 0.85 cutting small ranks by
-# 17-33% cost +5.3% KJV perplexity, and one o_proj cut by 9% (176 -> 160) +4.5% on the stdlib
-# (interval 3.4-5.6%), against round-down. So GAC spends only what round-down leaves of the budget.
+# every cut under round-down measured: ASVD at 0.85 cutting small ranks by 17-33% cost +5.3% KJV
+# perplexity (an earlier bench/results/gac_grid.md), and one o_proj cut by 9% (176 -> 160) +4.5% on
+# the stdlib (interval 3.3-5.7%; bench/results/gac_trust_region.md), against round-down. So GAC spends
+# only what round-down leaves of the budget.
 TRUST_REGION = 0.0
 
 

@@ -304,8 +304,8 @@ class GlobalQSGDExp(Int8Codes):
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return fused.exp_decode_into(out, aggregated, ctx.segments.seg, ctx.scales / ctx.world_size,
-                                         Q.exp_top_exponent(ctx.world_size))
+            return fused.scale_into(out, fused.exp_values(aggregated, Q.exp_top_exponent(ctx.world_size)), ctx.segments,
+                                    ctx.scales / ctx.world_size)
 
 
 class Sparsifier(Codec):

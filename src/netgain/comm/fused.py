@@ -321,10 +321,7 @@ def exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
     return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter))
 
 
-@kernel
-def exp_decode_into(out, codes, seg, factor, top: int) -> torch.Tensor:
-    """out = value of the codes * factor[param], into the bucket's own buffer."""
-    return out.copy_(Q.exp_decode(codes, top) * factor[seg.long()])
+exp_values = kernel(Q.exp_decode)  # codes -> float32 values; scale_into then scales them into the bucket
 
 
 @kernel

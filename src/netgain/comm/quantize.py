@@ -72,6 +72,7 @@ def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -
     level with the probability that keeps the mean. ``noise``: U[0, 1), one per element.
     The power of two at or below |x| is read from its float32 exponent bits (integer arithmetic and
     exact power-of-two multiplies: torch.compile fuses it into one pass, where frexp falls back).
+    Magnitudes from 2**(top + 1) up, inf included, saturate at the top level.
     """
     mag = x.abs().float()
     smallest = 2.0 ** (top + 1 - exponents)  # >= 2**-125 for exponents <= 127: a normal float

@@ -49,7 +49,7 @@ def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
     workers, codec, steps_ratio (bench/time_to_accuracy.py's *.csv has them; rows without a codec,
     such as PyTorch's hooks, are skipped). Convergence depends on the world size (the global batch),
     not on the link: the rows at `world_size` are used where a codec has any, else its others; the
-    median over cells. An empty steps_ratio (the target not reached) counts as never."""
+    median over cells. An empty steps_ratio (the target not reached in every round) counts as never."""
     found: dict[str, dict[bool, list[float]]] = {}
     for path in paths:
         try:
@@ -59,21 +59,29 @@ def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
                 if missing:
                     raise ValueError(f"--steps-from {path}: needs the columns {', '.join(STEPS_COLUMNS)}; "
                                      f"missing {', '.join(missing)}")
-                for row in reader:
+                for line, row in enumerate(reader, start=2):
                     if not row["codec"]:
                         continue
-                    try:
-                        ratio = float(row["steps_ratio"]) if row["steps_ratio"] else math.inf
-                    except ValueError:
-                        ratio = math.nan
-                    if not ratio > 0:
-                        raise ValueError(f"--steps-from {path}: steps_ratio must be > 0, got {row['steps_ratio']!r} "
-                                         f"for {row['codec']}")
-                    same = int(row["workers"]) == world_size
-                    found.setdefault(row["codec"], {True: [], False: []})[same].append(ratio)
+                    ratio = math.inf if row["steps_ratio"] == "" else _number(row["steps_ratio"], float)
+                    workers = _number(row["workers"], int)
+                    if workers is None or workers < 1 or ratio is None or not ratio > 0:
+                        raise ValueError(f"--steps-from {path}, line {line}: workers must be an integer >= 1 and "
+                                         f"steps_ratio a number > 0 or empty (never reached), got "
+                                         f"{row['workers']!r} and {row['steps_ratio']!r}")
+                    found.setdefault(row["codec"], {True: [], False: []})[workers == world_size].append(ratio)
         except OSError as error:
             raise ValueError(f"--steps-from {path}: {error.strerror}") from error
+        except UnicodeDecodeError as error:
+            raise ValueError(f"--steps-from {path}: not a text CSV ({error.reason})") from error
     return {codec: _median(by[True] or by[False]) for codec, by in found.items()}
+
+
+def _number(text: str | None, kind):
+    """`text` as `kind` (int or float), None where it is not one (a short row's cell is None)."""
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def _median(values: list[float]) -> float:
@@ -154,9 +162,21 @@ def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: flo
                                                       codec_shares_compute=codec_shares_compute))
                    for profile, convergence in profiles]
     baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
+    if steps is not None and not any(prof.name in steps for prof, _, _ in predictions if prof.name != "none"):
+        raise ValueError(f"--steps-from: none of its codecs ({', '.join(sorted(steps)) or 'no rows'}) is one this "
+                         f"weighs ({', '.join(prof.name for prof, _, _ in predictions)})")
     steps = None if steps is None else {**steps, "none": 1.0}
     return [Row(prof, p, baseline / p.step_s, convergence, None if steps is None else steps.get(prof.name))
             for prof, convergence, p in predictions]
+
+
+def eligible(rows: list[Row], biased: bool = False) -> list[Row]:
+    """The rows a recommendation is made among: CONVERGES unless `biased`; with measured steps, the
+    measured ones ("none" always is)."""
+    rows = rows if biased else [r for r in rows if r.convergence in CONVERGES]
+    if any(r.steps is not None and r.profile.name != "none" for r in rows):
+        rows = [r for r in rows if r.steps is not None]
+    return rows
 
 
 def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) -> Row:
@@ -174,9 +194,7 @@ def recommend(rows: list[Row], tolerance: float = 0.05, biased: bool = False) ->
     """
     if tolerance < 0:
         raise ValueError(f"tolerance: must be >= 0, got {tolerance!r}")
-    rows = rows if biased else [r for r in rows if r.convergence in CONVERGES]
-    if any(r.steps is not None and r.profile.name != "none" for r in rows):
-        rows = [r for r in rows if r.steps is not None]
+    rows = eligible(rows, biased)
     best = min(r.time_s for r in rows)
     close = [r for r in rows if r.time_s <= best * (1 + tolerance)]
     return max(close, key=lambda r: (r.prediction.payload_bytes, -r.time_s))
@@ -189,7 +207,7 @@ def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
     head = ("| codec | bits/elem | collective | convergence | payload MB/step | comm s | codec s "
             "| exposed s | step s | speedup |" + (" steps x | to-target speedup |" if measured else ""))
     lines = [head, "|" + "---|" * (12 if measured else 10)]
-    baseline = next(r.time_s for r in rows if r.profile.name == "none")
+    baseline = next(r.time_s for r in rows if r.profile.name == "none") if measured else None
     for r in rows:
         p = r.prediction
         mark = " **<-**" if r is chosen else ""
@@ -199,7 +217,7 @@ def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
                 f"{r.speedup:.2f}x |")
         if measured:
             line += (" - | - |" if r.steps is None else
-                     " never | 0 |" if math.isinf(r.steps) else f" {r.steps:.3g} | {baseline / r.time_s:.2f}x |")
+                     " never | 0.00x |" if math.isinf(r.steps) else f" {r.steps:.3g} | {baseline / r.time_s:.2f}x |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -244,7 +262,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="measured steps to a target loss per codec (columns workers, codec, steps_ratio: "
                         "steps / fp32's; bench/time_to_accuracy.py's CSV has them): the recommendation is then "
                         "by time to target, step time x steps, among the measured codecs (rows at --workers "
-                        "where there are any; the median over cells)")
+                        "where there are any; the median over cells; an empty steps_ratio means never reached)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="recommend the least lossy codec within this fraction of the fastest "
                         "(default 0.05, >= 0)")
@@ -341,9 +359,10 @@ def run(args) -> int:
     print()
     to_target = f", {chosen.steps:.3g}x its steps to the target" if chosen.steps is not None else ""
     if chosen.profile.name == "none":
-        best = min((r for r in rows if r.convergence in CONVERGES or args.allow_biased), key=lambda r: r.time_s)
+        best = min((r for r in eligible(rows, args.allow_biased) if r is not chosen), key=lambda r: r.time_s, default=chosen)
         print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster"
-              f"{' to the target' if steps else ''}; best: {best.profile.name} at {best.speedup:.2f}x the step speed)")
+              f"{' to the target' if steps else ''}; best: {best.profile.name} at "
+              f"{chosen.time_s / best.time_s:.2f}x{' to the target' if steps else ' the step speed'})")
     else:
         print(f"recommendation: {chosen.profile.name} "
               f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
