@@ -129,7 +129,7 @@ def main() -> int:
             print(f"[grid] {method} fitted in {time.time() - t0:.0f} s", flush=True)
         t0 = time.time()
         cell = run_cell(model, fitted[method], method, ratio, held_out, args.tokens)
-        cell["seconds"] = round(time.time() - t0)
+        cell["seconds"], cell["commit"] = round(time.time() - t0), git_commit()
         done[(method, ratio)] = cell
         with state.open("a") as f:
             f.write(json.dumps(cell) + "\n")
@@ -176,7 +176,8 @@ def write(cells, dense, args, seconds: float, wanted: int) -> None:
     lines = [
         "# GAC vs naive rounding: compressors x parameter ratios x held-out corpora (Gemma-3-270M)\n",
         f"Machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end (nothing timed). "
-        f"Commit: {git_commit()}. Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`; this invocation took {seconds:.0f} s, "
+        f"Cells run at commit {', '.join(dict.fromkeys(c.get('commit', 'unrecorded') for c in cells))}; report at {git_commit()}. "
+        f"Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`; this invocation took {seconds:.0f} s, "
         f"the cells' own seconds are in the CSV.\n",
         f"Calibration: {args.calib_chunks} x {args.calib_len} tokens, split evenly over {' and '.join(DOMAIN_NAMES[d] for d in args.calib_domains)}. Perplexity: "
         f"{args.eval_chunks} x {args.eval_len} tokens of the King James Bible (kjv) and of the CPython standard library (stdlib); "
