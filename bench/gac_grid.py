@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import sys
 import time
@@ -59,7 +58,7 @@ def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int
         if key not in seen:
             candidate = compression.build(model, variant)
             losses = {n: evaluate.chunk_losses(candidate, c) for n, c in held_out.items()}
-            seen[key] = {**{f"ppl_{n}": math.exp(sum(l) / len(l)) for n, l in losses.items()},
+            seen[key] = {**{f"ppl_{n}": evaluate.perplexity_of(l, held_out[n]) for n, l in losses.items()},
                          **{f"nll_{n}": l for n, l in losses.items()}}
             del candidate
         cell["variants"][variant] = {**summary[variant], **seen[key], "objective": objective(compression.units, sizes),

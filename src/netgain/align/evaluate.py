@@ -46,7 +46,11 @@ def token_chunks(tokenizer, text: str, seq_len: int, count: int) -> list[torch.T
 
 def perplexity(model: nn.Module, chunks: list[torch.Tensor]) -> float:
     """exp(mean next-token negative log-likelihood) over the chunks."""
-    losses = chunk_losses(model, chunks)
+    return perplexity_of(chunk_losses(model, chunks), chunks)
+
+
+def perplexity_of(losses: list[float], chunks: list[torch.Tensor]) -> float:
+    """exp(mean next-token loss) from each chunk's mean loss (`chunk_losses`), weighted by its predictions."""
     predictions = [ids.shape[1] - 1 for ids in chunks]
     return math.exp(sum(l * n for l, n in zip(losses, predictions)) / sum(predictions))
 

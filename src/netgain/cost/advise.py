@@ -14,6 +14,7 @@ import argparse
 import csv
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
             raise ValueError(f"--steps-from {path}: {error.strerror}") from error
         except UnicodeDecodeError as error:
             raise ValueError(f"--steps-from {path}: not a text CSV ({error.reason})") from error
-    return {codec: _median(by[True] or by[False]) for codec, by in found.items()}
+    return {codec: statistics.median(by[True] or by[False]) for codec, by in found.items()}
 
 
 def _number(text: str | None, kind):
@@ -82,12 +83,6 @@ def _number(text: str | None, kind):
         return kind(text)
     except (TypeError, ValueError):
         return None
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def count_parameters(model_dir: str) -> list[tuple[int, ...]]:
