@@ -1,5 +1,6 @@
 """Kimad: the bandwidth monitor, and the adaptive hook's plan agreement across ranks."""
 
+import collections
 import io
 import time
 
@@ -8,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import AdaptivePlanner, option_error
+from netgain.comm.adaptive import OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
 from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK, codec_profile
 
@@ -119,6 +120,25 @@ def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
     assert (resumed.monitor.bandwidth, resumed.monitor.agreed_bandwidth) == (1e6, 3e6)
     assert resumed.margin() == planner.margin() > 1
     assert resumed.monitor.update(3.5e6, 0.002) == 3e6  # the rise seen before the checkpoint counts
+
+
+def test_margin_is_an_order_statistic_a_new_step_exceeds_at_most_one_time_in_twenty():
+    planner = AdaptivePlanner("kimad+")
+    planner._overruns.extend([1.0, 1.2, 1.1, 1.05])
+    assert planner.margin() == 1.0                   # too few steps to judge
+    planner._overruns.extend([1.0] * 15 + [1.5])
+    assert planner.margin() == 1.5                   # 20 steps: the largest (exceeded with chance 1/21)
+    planner._overruns.clear()
+    planner._overruns.extend([0.9] * 20)
+    assert planner.margin() == 1.0                   # never below 1
+
+
+def test_margin_counts_exceedance_by_rank_not_by_a_percentile():
+    ratios = [1.0 + i / 100 for i in range(40)]
+    planner = AdaptivePlanner("kimad+")
+    planner._overruns = collections.deque(ratios, maxlen=40)
+    assert planner.margin() == ratios[-2]            # 2 / 41 <= 5%: the second largest of 40
+    assert 2 / 41 <= OVERRUN_EXCEEDANCE < 3 / 41
 
 
 def _saved(state) -> bytes:

@@ -10,10 +10,10 @@ compute). Every `replan_every` steps, or when the link estimate moves by more th
 Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ratio. An option's
 time is its header and payload collectives on the monitor's fit plus this machine's calibrated
 codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
-by which recent steps overran their prediction (so the spread fits, not only the median). Its
-error is measured
-on the current gradient (expected stochastic-rounding error for gqsgd, the dropped energy for
-top-k), summed over ranks.
+by which recent steps overran their prediction (an order statistic that a new step exceeds with
+chance at most 5%, so the spread fits, not only the median). Its error is measured on the current
+gradient (expected stochastic-rounding error for gqsgd, the dropped energy for top-k), summed over
+ranks.
 
 No collapse: an option is admissible for a bucket only if the error it adds to the averaged
 gradient is at most `max_error` of the gradient's energy (an unbiased code's independent rounding
@@ -40,7 +40,7 @@ from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
-OVERRUN_QUANTILE = 0.95
+OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
 ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are measured
 
 
@@ -179,15 +179,20 @@ class AdaptivePlanner:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
 
     def margin(self) -> float:
-        """How far measured steps overrun the plan's prediction (OVERRUN_QUANTILE of measured / predicted
-        over the last OVERRUN_WINDOW steps, at least 1): the plan aims at budget / margin, so that the
-        steps' spread, not only their median, fits the budget. Kept across link changes: a moved
-        estimate is when the fit is least to be trusted (one or two steps of a real change stay below
-        the quantile)."""
+        """How far measured steps overrun the plan's prediction, at least 1: the plan aims at budget /
+        margin, so that the steps' spread, not only their median, fits the budget.
+
+        The margin is the k-th largest of the last n ratios measured / predicted, with k the largest
+        for which k / (n + 1) <= OVERRUN_EXCEEDANCE (at least 1: the largest). Whatever the ratios'
+        distribution, a new step exceeds the k-th largest of n exchangeable earlier ones with chance
+        k / (n + 1); an empirical 95th percentile of 20 steps (the second largest) is exceeded with
+        chance 2/21, about 10%. Kept across link changes: a moved estimate is when the fit is least to
+        be trusted (one or two steps of a real change stay below the margin)."""
         if len(self._overruns) < 5:
             return 1.0
-        ordered = sorted(self._overruns)
-        return max(1.0, ordered[int(OVERRUN_QUANTILE * (len(ordered) - 1))])
+        n = len(self._overruns)
+        k = max(1, int(OVERRUN_EXCEEDANCE * (n + 1)))
+        return max(1.0, sorted(self._overruns)[n - k])
 
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
