@@ -131,6 +131,8 @@ def test_margin_is_an_order_statistic_a_new_step_exceeds_at_most_one_time_in_twe
     planner._overruns.clear()
     planner._overruns.extend([0.9] * 20)
     assert planner.margin() == 1.0                   # never below 1
+    planner._overruns.extend([1.2] * 16 + [4.9, 2.9] + [1.3, 1.1])
+    assert planner.margin() == 1.3                   # the two steps of a link change are not spread
 
 
 def test_margin_counts_exceedance_by_rank_not_by_a_percentile():

@@ -7,6 +7,7 @@ import torch
 
 import netgain.comm as comm
 from netgain.comm import fused
+from netgain.comm import quantize as Q
 from netgain.comm.codecs import Context
 from netgain.comm.feedback import EF21
 from netgain.comm.fused import Segments
@@ -110,6 +111,19 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
         words = fused.pack(torch.empty(total, dtype=torch.int32), padded, 127, width)
         unpacked = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, 127, width)
         assert torch.equal(unpacked, expected.float() * multiplier[seg])
+    scales = x.abs().max() * (torch.rand(len(sizes)) + 0.5)  # some elements above their scale: saturation
+    exp_codes = Q.exp_encode(x / scales[seg], 3, 127, fused.element_noise(x, s.seg, s.starts, keys))
+    assert torch.equal(fused.exp_encode(x, s, scales, keys, 3, 127, torch.empty_like(expected)), exp_codes)
+    local, threshold = torch.randn(s.numel, generator=torch.Generator().manual_seed(2)), torch.rand(len(sizes)) * 4
+    flags = fused.at_or_above(x, local, s, threshold, torch.empty(s.numel, dtype=torch.int8))
+    assert torch.equal(flags.bool(), (x - local).abs() >= threshold[seg])
+
+
+@pytest.mark.parametrize("numel", [0, 7, 64, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
+def test_flag_indices_are_nonzero_of_the_flags(numel, density):
+    flags = (torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < density).to(torch.int8)
+    assert torch.equal(fused.flag_indices(flags), flags.nonzero().squeeze(1))
 
 
 def test_exponential_ring_hop_is_identical_compiled_and_eager(monkeypatch):

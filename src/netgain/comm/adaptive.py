@@ -11,7 +11,7 @@ Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ra
 time is its header and payload collectives on the monitor's fit plus this machine's calibrated
 codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
 by which recent steps overran their prediction (an order statistic that a new step exceeds with
-chance at most 5%, so the spread fits, not only the median). Its error is measured on the current
+chance at most 5%, so the spread fits, not only the median; stalls left out). Its error is measured on the current
 gradient (expected stochastic-rounding error for gqsgd, the dropped energy for top-k), summed over
 ranks.
 
@@ -41,6 +41,7 @@ from .quantize import levels_per_side
 MODES = ("kimad", "kimad+")
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
+STALL = 2.0  # a step over STALL x the median ratio is a stall or a link change, not spread (the lab's spread: 0.5-1.4)
 ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are measured
 
 
@@ -186,13 +187,15 @@ class AdaptivePlanner:
         for which k / (n + 1) <= OVERRUN_EXCEEDANCE (at least 1: the largest). Whatever the ratios'
         distribution, a new step exceeds the k-th largest of n exchangeable earlier ones with chance
         k / (n + 1); an empirical 95th percentile of 20 steps (the second largest) is exceeded with
-        chance 2/21, about 10%. Kept across link changes: a moved estimate is when the fit is least to
-        be trusted (one or two steps of a real change stay below the margin)."""
+        chance 2/21, about 10%. Ratios above STALL x their median are left out: a compile stall or the
+        link changing under the plan (the monitor follows it) is not spread that a smaller plan absorbs,
+        and it would shrink the plan for the whole window. Kept across link changes."""
         if len(self._overruns) < 5:
             return 1.0
-        n = len(self._overruns)
-        k = max(1, int(OVERRUN_EXCEEDANCE * (n + 1)))
-        return max(1.0, sorted(self._overruns)[n - k])
+        ordered = sorted(self._overruns)
+        spread = [r for r in ordered if r <= STALL * ordered[len(ordered) // 2]]
+        k = max(1, int(OVERRUN_EXCEEDANCE * (len(spread) + 1)))
+        return max(1.0, spread[-k])
 
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)

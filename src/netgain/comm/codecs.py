@@ -294,8 +294,8 @@ class GlobalQSGDExp(Int8Codes):
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
             s = ctx.segments
-            return fused.exp_encode(x, s.seg, s.starts, ctx.scales, ctx.noise_keys, Q.exp_top_exponent(ctx.world_size),
-                                    self.levels)
+            return fused.exp_encode(x, s, ctx.scales, ctx.noise_keys, Q.exp_top_exponent(ctx.world_size), self.levels,
+                                    ctx.buffer("codes", x.numel(), torch.int8, x.device))
 
     def combine(self, a, b, hop_key: int, ctx):
         """Merge two chunks of codes at one ring hop; the noise is keyed by the hop and this rank."""
@@ -369,14 +369,15 @@ class TopK(Sparsifier):
             sampled = (x[t["sample_index"]] - fb.local[t["sample_index"]]).abs()
             sampled = torch.where(t["sample_valid"], sampled, -1.0).topk(t["top"], dim=1).values
             threshold = sampled.gather(1, t["rank"][:, None]).squeeze(1)
-            chosen = fused.at_or_above(x, fb.local, s.seg, threshold).nonzero().squeeze(1)
-            seg_of = s.seg[chosen].long()
+            mask = ctx.buffer("topk candidates", x.numel(), torch.int8, x.device)
+            chosen = fused.flag_indices(fused.at_or_above(x, fb.local, s, threshold, mask))
+            seg_of = s.seg.index_select(0, chosen).long()
             first = torch.searchsorted(chosen, s.starts.long())  # where each parameter's picks begin
             within = torch.arange(chosen.numel(), device=x.device) - first[seg_of]
             keep = within < t["k"][seg_of]
             index = s.starts.long()[t["slot_seg"]]              # unused slots: a zero at the parameter's start
             index[t["kofs"][seg_of[keep]] + within[keep]] = chosen[keep]
-            values = x[index] - fb.local[index]
+            values = x.index_select(0, index) - fb.local.index_select(0, index)
             values = torch.where(t["within"] < torch.bincount(seg_of[keep], minlength=s.count)[t["slot_seg"]],
                                  values, 0.0)
             ctx.sent = (index, values)
