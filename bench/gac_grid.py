@@ -9,7 +9,9 @@ analytic A100 model: deterministic and independent of this machine's load). Vari
 sizes share one evaluation (the model is the same). Reported per cell: unit parameters against the
 raw budget, alignment to 8, the compressor's predicted objective, perplexity per corpus, and GAC's
 perplexity ratio to round-down. Nothing here is timed. Finished cells are kept in --state, so an
-interrupted run resumes and `--cells asvd:0.9` re-runs one cell.
+interrupted run resumes and `--cells asvd:0.9` re-runs one cell. GAC is checked per cell on held-out text of
+the calibration domain (`--validation-chunks`, `Compression.verify_gac`): it keeps its sizes only where
+they beat round-down's there.
 
     python bench/gac_grid.py     # writes bench/results/gac_grid.md, .csv and .json (--name changes the stem)
 """
@@ -47,11 +49,13 @@ CALIBRATION = {"docs": lambda: python_docs("calib"), "gcide": gcide_text}  # nei
 DOMAIN_NAMES = {"docs": "the Python docs' library reference", "gcide": "the GCIDE dictionary (Webster 1913)"}
 
 
-def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int) -> dict:
-    """One (method, ratio) cell: every variant's sizes, budget, alignment, objective and perplexities."""
+def run_cell(model, compressor, method: str, ratio: float, held_out, tokens: int, validation) -> dict:
+    """One (method, ratio) cell: every variant's sizes, budget, alignment, objective and perplexities;
+    GAC's sizes kept only where the calibration domain's held-out chunks confirm them (`verify_gac`)."""
     compression = size(compressor, AlignConfig(METHODS[method], param_ratio=ratio, cost="a100", tokens=tokens))
+    check = compression.verify_gac(model, validation) if validation else None
     summary = compression.summary()
-    cell, seen = {"method": method, "ratio": ratio, "variants": {}}, {}
+    cell, seen = {"method": method, "ratio": ratio, "variants": {}, "check": check}, {}
     for variant in VARIANTS:
         sizes = compression.sizes[variant]
         key = tuple(sorted(sizes.items()))
@@ -73,6 +77,9 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / "runs" / "gemma3-270m"), help="Gemma-3-270M directory (converted on first use)")
     parser.add_argument("--calib-chunks", type=int, default=8)
     parser.add_argument("--calib-len", type=int, default=256)
+    parser.add_argument("--validation-chunks", type=int, default=16,
+                        help="held-out chunks of --calib-len tokens of the calibration domains, right after the calibration's, "
+                             "on which GAC must beat round-down to keep its sizes (0: GAC unchecked)")
     parser.add_argument("--eval-chunks", type=int, default=16, help="held-out chunks per corpus (their spread gives the interval)")
     parser.add_argument("--eval-len", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=512, help="the prefill length GAC's A100 cost model prices")
@@ -117,9 +124,11 @@ def main() -> int:
         dense_file.parent.mkdir(parents=True, exist_ok=True)
         dense_file.write_text(json.dumps(dense))
     if todo:
-        per_domain = [evaluate.token_chunks(tokenizer, CALIBRATION[d](), args.calib_len, args.calib_chunks // len(args.calib_domains))
+        own = args.calib_chunks // len(args.calib_domains)
+        per_domain = [evaluate.token_chunks(tokenizer, CALIBRATION[d](), args.calib_len, own + args.validation_chunks // len(args.calib_domains))
                       for d in args.calib_domains]
-        calib = [chunk for group in zip(*per_domain) for chunk in group]  # interleaved domains
+        calib = [chunk for group in zip(*(c[:own] for c in per_domain)) for chunk in group]  # interleaved domains
+        validation = [chunk for group in zip(*(c[own:] for c in per_domain)) for chunk in group]
     fitted = {}
     for method, ratio in sorted(todo, key=lambda k: RUN_ORDER.index(k[1])):  # every method's middle ratio first
         if method not in fitted:
@@ -127,7 +136,7 @@ def main() -> int:
             fitted[method].fit(model, calib)
             print(f"[grid] {method} fitted in {time.time() - t0:.0f} s", flush=True)
         t0 = time.time()
-        cell = run_cell(model, fitted[method], method, ratio, held_out, args.tokens)
+        cell = run_cell(model, fitted[method], method, ratio, held_out, args.tokens, validation)
         cell["seconds"], cell["commit"] = round(time.time() - t0), git_commit()
         done[(method, ratio)] = cell
         with state.open("a") as f:
@@ -178,7 +187,9 @@ def write(cells, dense, args, seconds: float, wanted: int) -> None:
         f"Cells run at commit {', '.join(dict.fromkeys(c.get('commit', 'unrecorded') for c in cells))}; report at {git_commit()}. "
         f"Command: `python bench/gac_grid.py {' '.join(sys.argv[1:])}`; this invocation took {seconds:.0f} s, "
         f"the cells' own seconds are in the CSV.\n",
-        f"Calibration: {args.calib_chunks} x {args.calib_len} tokens, split evenly over {' and '.join(DOMAIN_NAMES[d] for d in args.calib_domains)}. Perplexity: "
+        f"Calibration: {args.calib_chunks} x {args.calib_len} tokens, split evenly over {' and '.join(DOMAIN_NAMES[d] for d in args.calib_domains)}; "
+        f"GAC's check on the next {args.validation_chunks} x {args.calib_len} tokens of the same text (`Compression.verify_gac`: "
+        "GAC's sizes kept only if its mean loss there is below round-down's). Perplexity: "
         f"{args.eval_chunks} x {args.eval_len} tokens of the King James Bible (kjv) and of the CPython standard library (stdlib); "
         f"dense: kjv {dense['kjv']:.2f}, stdlib {dense['stdlib']:.2f}. GAC priced by the analytic A100 model at {args.tokens} tokens. "
         "Objective: the compressor's predicted loss at the variant's sizes relative to raw (ASVD: Fisher-predicted nats; "
@@ -191,16 +202,26 @@ def write(cells, dense, args, seconds: float, wanted: int) -> None:
             same = " =rd" if v == "gac" and r["same_as_round_down"] else ""
             lines.append(f"| {c['method']} | {c['ratio']} | {v}{same} | {r['vs_budget']:.4f} | {100 * r['aligned_8']:.0f}% "
                          f"| {r['objective']:.4g} | {r['ppl_kjv']:.3f} | {r['ppl_stdlib']:.3f} |")
-    lines += ["", "| method | ratio | GAC / round-down ppl (kjv) | GAC / round-down ppl (stdlib) | GAC / budget | GAC aligned %8 |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| method | ratio | GAC / round-down ppl (kjv) | GAC / round-down ppl (stdlib) | GAC / budget | GAC aligned %8 "
+              "| GAC's check: GAC / round-down on held-out calibration text |",
+              "|---|---|---|---|---|---|---|"]
     def interval(c, k) -> str:  # from the chunk-to-chunk spread of the paired loss difference
         gac, rd = c["variants"]["gac"], c["variants"]["round-down"]
         return " ({1:.4f}-{2:.4f})".format(*evaluate.paired_ratio(gac[f"nll_{k}"], rd[f"nll_{k}"])) if f"nll_{k}" in gac else ""
 
+    def checked(c) -> str:  # what verify_gac measured before the cell's variants were evaluated
+        k = c.get("check")
+        if not k:
+            return "not run"
+        if k["same_as_round_down"]:
+            return "GAC = round-down"
+        return f"{k['ratio']:.4f} ({k['low']:.4f}-{k['high']:.4f}): {'GAC kept' if k['kept'] else 'round-down taken'}"
+
     for c in cells:
         g = c["variants"]["gac"]
         lines.append(f"| {c['method']} | {c['ratio']} | {c['gac_vs_round_down_kjv']:.4f}{interval(c, 'kjv')} "
-                     f"| {c['gac_vs_round_down_stdlib']:.4f}{interval(c, 'stdlib')} | {g['vs_budget']:.4f} | {100 * g['aligned_8']:.0f}% |")
+                     f"| {c['gac_vs_round_down_stdlib']:.4f}{interval(c, 'stdlib')} | {g['vs_budget']:.4f} | {100 * g['aligned_8']:.0f}% "
+                     f"| {checked(c)} |")
     within = all(c["variants"]["gac"]["vs_budget"] <= 1.0 for c in cells)
     aligned = all(c["variants"]["gac"]["aligned_8"] == 1.0 for c in cells)
     lines.append("\nIn brackets: 95% interval of the ratio from the chunk-to-chunk spread of the paired loss difference "

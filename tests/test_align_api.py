@@ -188,3 +188,41 @@ def test_a_measured_cost_times_every_candidate_first_and_its_noise_hides_small_c
     assert {(4, 64, s) for s in (8, 16, 24, 32, 40, 21, 160)} <= quiet.measured  # candidates, proposal, dense
     assert 24 not in gac.unit_options(unit, quiet, 4, multiple=8, steps=2)
     assert 24 in gac.unit_options(unit, noisy, 4, multiple=8, steps=2)
+
+
+@pytest.mark.parametrize("gac_loss,kept", [(1.0, True), (1.2, False)])
+def test_verify_gac_keeps_gac_only_where_held_out_text_confirms_it(gac_loss, kept, monkeypatch):
+    model = tiny()
+    _, result = compress(model, batches(), AlignConfig(ASVDConfig(), param_ratio=0.7, cost="a100", tokens=64), inplace=False)
+    result.sizes["gac"] = dict(result.sizes["round-nearest"])  # a GAC that differs from round-down
+    assert result.sizes["gac"] != result.sizes["round-down"]
+    proposed = dict(result.sizes["gac"])
+    built = []
+
+    def losses(candidate, chunks):  # GAC's model is built first: a fixed loss per chunk for each
+        built.append(candidate)
+        return [gac_loss if len(built) == 1 else 1.1] * len(chunks)
+
+    monkeypatch.setattr("netgain.align.evaluate.chunk_losses", losses)
+    check = result.verify_gac(model, batches(3))
+    assert check["kept"] is kept and result.check is check
+    assert check["ratio"] == pytest.approx(torch.tensor(gac_loss - 1.1).exp().item())
+    assert result.sizes["gac"] == (proposed if kept else result.sizes["round-down"])
+
+
+def test_verify_gac_measures_nothing_when_gac_is_round_down(monkeypatch):
+    model = tiny()
+    _, result = compress(model, batches(), AlignConfig(ASVDConfig(), param_ratio=0.7, cost="a100", tokens=64), inplace=False)
+    result.sizes["gac"] = dict(result.sizes["round-down"])
+    monkeypatch.setattr("netgain.align.evaluate.chunk_losses", lambda *a: pytest.fail("nothing to measure"))
+    assert result.verify_gac(model, batches(3))["same_as_round_down"]
+
+
+def test_compress_with_validation_applies_the_checked_sizes():
+    model = tiny()
+    config = AlignConfig(ASVDConfig(), param_ratio=0.7, cost="a100", tokens=64)
+    out, result = compress(model, batches(), config, validation=batches(3, 48), inplace=False)
+    assert result.check is not None
+    ids = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(result.build(model, "gac")(ids).logits, out(ids).logits)

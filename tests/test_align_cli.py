@@ -100,3 +100,16 @@ def test_align_cli_with_kernels_measured_here(tmp_path):
     rows = {r["variant"]: r for r in report["rows"]}
     assert rows["gac"]["aligned_8"] == 1.0 and rows["gac"]["unit_params"] <= report["budget"]
     assert (tmp_path / "kernels.json").exists()
+
+
+def test_align_cli_checks_gac_on_held_out_calibration_text(tmp_path):
+    report = run_align(tmp_path, "--check-seqs", "2")
+    assert report["check"] is not None
+    assert report["check"]["same_as_round_down"] or report["check"]["kept"] == (report["check"]["ratio"] < 1)
+    assert "GAC" in report["summary"]
+
+
+def test_negative_check_seqs_is_refused_before_loading(tmp_path):
+    args = parse("--out", str(tmp_path / "out"), "--check-seqs", "-1", "--cost", "a100")
+    with pytest.raises(SystemExit, match="--check-seqs must be >= 0"):
+        cli.run(args)

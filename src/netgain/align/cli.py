@@ -33,6 +33,9 @@ def configure(parser) -> None:
     parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns")
     parser.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (SVD-LLM wants more tokens than the widest Linear input)")
     parser.add_argument("--calib-len", type=int, default=256)
+    parser.add_argument("--check-seqs", type=int, default=8,
+                        help="sequences of the calibration text after the calibration's own, on which GAC's sizes must beat "
+                             "round-down's to be kept (0: no check)")
     parser.add_argument("--eval-chunks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512, help="prefill tokens for latency and for GAC's cost model")
     parser.add_argument("--alpha", type=float, default=0.5, help="asvd: activation exponent")
@@ -56,6 +59,17 @@ def _parse_list(text: str, allowed, what: str) -> list[str]:
     if bad or not items:
         raise SystemExit(f"--{what} must be a comma-separated subset of {', '.join(allowed)}, got {text!r}")
     return items
+
+
+def _checked(check: dict | None, args) -> str:
+    """The summary's words for GAC's check on held-out calibration text (`Compression.verify_gac`)."""
+    if check is None:
+        return "; GAC not checked (--check-seqs 0)"
+    if check["same_as_round_down"]:
+        return "; GAC's sizes are round-down's (nothing to check)"
+    verdict = "GAC kept" if check["kept"] else "round-down's sizes taken for gac"
+    return (f"; GAC / round-down perplexity on {args.check_seqs} x {args.calib_len} held-out calibration tokens "
+            f"{check['ratio']:.4f} ({check['low']:.4f}-{check['high']:.4f}): {verdict}")
 
 
 def model_dir(model: str | None) -> Path:
@@ -109,6 +123,8 @@ def run(args) -> int:
     from ..cost.kernels import GPUS, AnalyticCost
 
     variants = _parse_list(args.variants, VARIANTS, "variants")
+    if args.check_seqs < 0:
+        raise SystemExit(f"--check-seqs must be >= 0 (0: GAC unchecked), got {args.check_seqs}")
     if args.save not in variants:
         raise SystemExit(f"--save {args.save} must be one of the evaluated --variants ({', '.join(variants)})")
     predict = _parse_list(args.predict, tuple(GPUS), "predict") if args.predict else []
@@ -128,10 +144,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
-    calib = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs)
+    chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
+    calib, validation = chunks[: args.calib_seqs], chunks[args.calib_seqs :] or None
     held_out = evaluate.token_chunks(tokenizer, eval_text, args.seq, args.eval_chunks)
 
-    compressed, result = compress(model, calib, config, inplace=False, progress=True)
+    compressed, result = compress(model, calib, config, validation=validation, inplace=False, progress=True)
     cost = result.cost
     # predicted latency: the sum of the cost model's kernels ("measured-kernels": timed on this device)
     costs = {"measured-kernels" if args.cost == "measured" else args.cost: cost}
@@ -145,12 +162,12 @@ def run(args) -> int:
     summary = (
         f"model {source}; {args.method} at param ratio {args.param_ratio}: decoder Linears {result.dense_params:,} -> "
         f"budget {result.budget:,} (raw compressor); cost model for GAC: {cost.name}; prefill S={args.seq}, batch 1, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)"
+        f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)" + _checked(result.check, args)
     )
     (out / "report.md").write_text(f"{summary}\n\n{table}")
     (out / "report.json").write_text(
         json.dumps({"summary": summary, "budget": result.budget, "dense_params": result.dense_params,
-                    "sizes": result.sizes, "rows": [r.as_dict() for r in rows]}, indent=1)
+                    "sizes": result.sizes, "check": result.check, "rows": [r.as_dict() for r in rows]}, indent=1)
     )
     print(summary)
     print(table)

@@ -41,7 +41,7 @@ from .quantize import levels_per_side
 MODES = ("kimad", "kimad+")
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
-STALL = 2.0  # a step over STALL x the median ratio is a stall or a link change, not spread (the lab's spread: 0.5-1.4)
+STALL = 2.0  # a step over STALL x the median ratio is a stall or a link change, not spread (on the lab, steady-state ratios lay at 0.5-1.9)
 ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are measured
 
 
