@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--state", help="finished cells, one JSON per line (default runs/NAME_cells.jsonl)")
     parser.add_argument("--report", action="store_true", help="only write the report from the cells finished so far")
     args = parser.parse_args()
+    if args.validation_chunks < 0 or args.validation_chunks % len(args.calib_domains):
+        parser.error(f"--validation-chunks must be >= 0 and a multiple of the {len(args.calib_domains)} calibration domains")
     args.state = args.state or str(ROOT / "runs" / f"{args.name}_cells.jsonl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.time()

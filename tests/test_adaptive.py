@@ -133,6 +133,8 @@ def test_margin_is_an_order_statistic_a_new_step_exceeds_at_most_one_time_in_twe
     assert planner.margin() == 1.0                   # never below 1
     planner._overruns.extend([1.2] * 16 + [4.9, 2.9] + [1.3, 1.1])
     assert planner.margin() == 1.3                   # the two steps of a link change are not spread
+    planner._overruns.extend([0.4] * 15 + [1.8] * 5)
+    assert planner.margin() == 1.8                   # a median below 1 does not make real overruns stalls
 
 
 def test_margin_counts_exceedance_by_rank_not_by_a_percentile():

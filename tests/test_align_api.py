@@ -210,6 +210,13 @@ def test_verify_gac_keeps_gac_only_where_held_out_text_confirms_it(gac_loss, kep
     assert result.sizes["gac"] == (proposed if kept else result.sizes["round-down"])
 
 
+def test_verify_gac_needs_two_chunks_for_its_interval():
+    model = tiny()
+    _, result = compress(model, batches(), AlignConfig(ASVDConfig(), param_ratio=0.7, cost="a100", tokens=64), inplace=False)
+    with pytest.raises(ValueError, match="at least 2"):
+        result.verify_gac(model, batches(1))
+
+
 def test_verify_gac_measures_nothing_when_gac_is_round_down(monkeypatch):
     model = tiny()
     _, result = compress(model, batches(), AlignConfig(ASVDConfig(), param_ratio=0.7, cost="a100", tokens=64), inplace=False)

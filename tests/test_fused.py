@@ -28,6 +28,11 @@ def segments(order=None):
     return Segments.build([SIZES[i] for i in order], [fused.name_key(f"p{i}") for i in order], "cpu")
 
 
+def noise(s, keys):
+    """Every element's noise, counted by its index inside its parameter."""
+    return fused.noise_at(torch.arange(s.numel, dtype=torch.int32), s.seg.long(), s.starts, keys)
+
+
 def round_trip(name, params, world_size=3):
     """One encode + decode of a fixed bucket, faking the collective as world_size identical ranks."""
     codec = comm.make_codec(name, **params)
@@ -61,14 +66,14 @@ def test_noise_is_a_pure_function_of_keys_and_independent_of_the_layout():
     forward, backward = segments(), segments(list(reversed(range(len(SIZES)))))
     keys_f, keys_b = fused.step_keys(forward.keys, 3, 7, 1), fused.step_keys(backward.keys, 3, 7, 1)
     x = torch.zeros(sum(SIZES))
-    noise_f = fused.element_noise(x, forward.seg, forward.starts, keys_f)
-    noise_b = fused.element_noise(x, backward.seg, backward.starts, keys_b)
+    noise_f = noise(forward, keys_f)
+    noise_b = noise(backward, keys_b)
     parts_f = dict(zip(range(len(SIZES)), noise_f.split(SIZES)))
     parts_b = dict(zip(reversed(range(len(SIZES))), noise_b.split(list(reversed(SIZES)))))
     assert all(torch.equal(parts_f[i], parts_b[i]) for i in range(len(SIZES)))  # each parameter's own noise
-    again = fused.element_noise(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 1))
+    again = noise(forward, fused.step_keys(forward.keys, 3, 7, 1))
     assert torch.equal(noise_f, again)
-    other_rank = fused.element_noise(x, forward.seg, forward.starts, fused.step_keys(forward.keys, 3, 7, 2))
+    other_rank = noise(forward, fused.step_keys(forward.keys, 3, 7, 2))
     assert (noise_f != other_rank).float().mean() > 0.99
     assert 0 <= float(noise_f.min()) and float(noise_f.max()) < 1 and abs(float(noise_f.mean()) - 0.5) < 0.01
 
@@ -112,8 +117,9 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
         unpacked = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, 127, width)
         assert torch.equal(unpacked, expected.float() * multiplier[seg])
     scales = x.abs().max() * (torch.rand(len(sizes)) + 0.5)  # some elements above their scale: saturation
-    exp_codes = Q.exp_encode(x / scales[seg], 3, 127, fused.element_noise(x, s.seg, s.starts, keys))
-    assert torch.equal(fused.exp_encode(x, s, scales, keys, 3, 127, torch.empty_like(expected)), exp_codes)
+    for exponents in (127, 3):
+        exp_codes = Q.exp_encode(x / scales[seg], 3, exponents, noise(s, keys))
+        assert torch.equal(fused.exp_encode(x, s, scales, keys, 3, exponents, torch.empty_like(expected)), exp_codes)
     local, threshold = torch.randn(s.numel, generator=torch.Generator().manual_seed(2)), torch.rand(len(sizes)) * 4
     flags = fused.at_or_above(x, local, s, threshold, torch.empty(s.numel, dtype=torch.int8))
     assert torch.equal(flags.bool(), (x - local).abs() >= threshold[seg])

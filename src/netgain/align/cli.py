@@ -35,7 +35,7 @@ def configure(parser) -> None:
     parser.add_argument("--calib-len", type=int, default=256)
     parser.add_argument("--check-seqs", type=int, default=8,
                         help="sequences of the calibration text after the calibration's own, on which GAC's sizes must beat "
-                             "round-down's to be kept (0: no check)")
+                             "round-down's to be kept (0: no check; else at least 2)")
     parser.add_argument("--eval-chunks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512, help="prefill tokens for latency and for GAC's cost model")
     parser.add_argument("--alpha", type=float, default=0.5, help="asvd: activation exponent")
@@ -123,8 +123,8 @@ def run(args) -> int:
     from ..cost.kernels import GPUS, AnalyticCost
 
     variants = _parse_list(args.variants, VARIANTS, "variants")
-    if args.check_seqs < 0:
-        raise SystemExit(f"--check-seqs must be >= 0 (0: GAC unchecked), got {args.check_seqs}")
+    if args.check_seqs < 0 or args.check_seqs == 1:
+        raise SystemExit(f"--check-seqs must be 0 (GAC unchecked) or >= 2 (its interval needs two), got {args.check_seqs}")
     if args.save not in variants:
         raise SystemExit(f"--save {args.save} must be one of the evaluated --variants ({', '.join(variants)})")
     predict = _parse_list(args.predict, tuple(GPUS), "predict") if args.predict else []
@@ -144,7 +144,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
-    chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
+    try:
+        chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
+    except ValueError as error:
+        raise SystemExit(f"--calib: {error} (--calib-seqs {args.calib_seqs} + --check-seqs {args.check_seqs} sequences of "
+                         f"--calib-len {args.calib_len}; give more text or fewer sequences)") from None
     calib, validation = chunks[: args.calib_seqs], chunks[args.calib_seqs :] or None
     held_out = evaluate.token_chunks(tokenizer, eval_text, args.seq, args.eval_chunks)
 

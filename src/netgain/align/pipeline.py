@@ -73,6 +73,8 @@ class Compression:
         GAC / round-down on the chunks with its 95% interval, and whether GAC's sizes were kept."""
         from . import evaluate
 
+        if len(chunks) < 2:
+            raise ValueError(f"chunks: need at least 2 held-out batches for the interval, got {len(chunks)}")
         if self.sizes["gac"] == self.sizes["round-down"]:
             self.check = {"ratio": 1.0, "low": 1.0, "high": 1.0, "kept": True, "same_as_round_down": True}
             return self.check
@@ -145,7 +147,7 @@ def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, vali
     with tqdm(desc=f"calibrate ({compressor.method})", unit="step", disable=not progress) as bar:
         compressor.fit(model, calib, progress=bar)
     result = size(compressor, config, str(next(model.parameters()).dtype).removeprefix("torch."), progress)
-    if validation is not None:
+    if validation:
         result.verify_gac(model, validation)
     target = model if inplace else copy_model(model)
     compressor.apply(target, result.sizes[config.variant])

@@ -187,13 +187,14 @@ class AdaptivePlanner:
         for which k / (n + 1) <= OVERRUN_EXCEEDANCE (at least 1: the largest). Whatever the ratios'
         distribution, a new step exceeds the k-th largest of n exchangeable earlier ones with chance
         k / (n + 1); an empirical 95th percentile of 20 steps (the second largest) is exceeded with
-        chance 2/21, about 10%. Ratios above STALL x their median are left out: a compile stall or the
-        link changing under the plan (the monitor follows it) is not spread that a smaller plan absorbs,
-        and it would shrink the plan for the whole window. Kept across link changes."""
+        chance 2/21, about 10%. Ratios above STALL x their median (at least STALL) are left out: a compile
+        stall or the link changing under the plan (the monitor follows it) is not spread that a smaller
+        plan absorbs, and it would shrink the plan for the whole window; the bound then holds for the
+        steps that are not stalls. Kept across link changes."""
         if len(self._overruns) < 5:
             return 1.0
         ordered = sorted(self._overruns)
-        spread = [r for r in ordered if r <= STALL * ordered[len(ordered) // 2]]
+        spread = [r for r in ordered if r <= STALL * max(1.0, ordered[len(ordered) // 2])]
         k = max(1, int(OVERRUN_EXCEEDANCE * (len(spread) + 1)))
         return max(1.0, spread[-k])
 

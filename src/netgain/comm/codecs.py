@@ -222,7 +222,7 @@ class GlobalQSGD(Codec):
             multiplier = levels / ctx.scales
             if self.encoding == "int8":
                 return fused.round_int8(x, s, multiplier, ctx.noise_keys, levels,
-                                        ctx.buffer("codes", x.numel(), torch.int8, x.device))
+                                        ctx.buffer("exp codes", x.numel(), torch.int8, x.device))
             dtype, width, per_word = Q.word_layout(levels, ctx.world_size)
             words = -(-x.numel() // per_word)
             codes = ctx.table(("padded codes", per_word, levels), lambda: torch.full(
@@ -295,7 +295,7 @@ class GlobalQSGDExp(Int8Codes):
         with ctx.timed("encode_s"):
             s = ctx.segments
             return fused.exp_encode(x, s, ctx.scales, ctx.noise_keys, Q.exp_top_exponent(ctx.world_size), self.levels,
-                                    ctx.buffer("codes", x.numel(), torch.int8, x.device))
+                                    ctx.buffer("exp codes", x.numel(), torch.int8, x.device))
 
     def combine(self, a, b, hop_key: int, ctx):
         """Merge two chunks of codes at one ring hop; the noise is keyed by the hop and this rank."""
