@@ -274,10 +274,9 @@ class QSGD(Int8Codes):
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            numel, seg = out.numel(), ctx.segments.seg.long()
-            codes = aggregated[:, :numel].float()
-            factor = aggregated[:, numel:].contiguous().view(torch.float32) / (self.levels * ctx.world_size)
-            return out.copy_((codes * factor[:, seg]).sum(0))
+            numel = out.numel()
+            factors = aggregated[:, numel:].contiguous().view(torch.float32) / (self.levels * ctx.world_size)
+            return fused.scale_sum_into(out, aggregated[:, :numel], ctx.segments, factors)
 
 
 class GlobalQSGDExp(Int8Codes):
@@ -304,8 +303,8 @@ class GlobalQSGDExp(Int8Codes):
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            return fused.scale_into(out, fused.exp_values(aggregated, Q.exp_top_exponent(ctx.world_size)), ctx.segments,
-                                    ctx.scales / ctx.world_size)
+            return fused.scale_into(out, aggregated, ctx.segments, ctx.scales / ctx.world_size,
+                                    top=Q.exp_top_exponent(ctx.world_size))
 
 
 class Sparsifier(Codec):

@@ -278,18 +278,44 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
     return out
 
 
+def _values(codes: torch.Tensor, top: int | None) -> torch.Tensor:
+    """The numbers codes stand for: themselves, or (top given) gqsgd-exp's powers of two."""
+    return codes.float() if top is None else Q.exp_decode(codes, top)
+
+
 @kernel
-def _scale_rows(out2d, codes2d, split, column, factor_first, factor_second) -> torch.Tensor:
-    return out2d.copy_(codes2d.float() * _pick(column >= split[:, None], factor_first, factor_second))
+def _scale_rows(out2d, codes2d, split, column, factor_first, factor_second, top: int | None) -> torch.Tensor:
+    return out2d.copy_(_values(codes2d, top) * _pick(column >= split[:, None], factor_first, factor_second))
 
 
-def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torch.Tensor) -> torch.Tensor:
-    """out = codes * factor[param], written into the bucket's own buffer (decode in place)."""
+def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torch.Tensor,
+               top: int | None = None) -> torch.Tensor:
+    """out = value(codes) * factor[param], written into the bucket's own buffer in one pass (decode in
+    place); ``top``: the codes are power-of-two codes (`quantize.exp_encode`) with that top exponent."""
     if s.rows:
         f1, f2 = s.per_row(factor)
-        _scale_rows(_rows(out, s), _rows(codes, s), s.split, s.column, f1, f2)
+        _scale_rows(_rows(out, s), _rows(codes, s), s.split, s.column, f1, f2, top)
     if s.fix.numel():
-        out[s.fix] = (codes[s.fix].float() * factor[s.fix_seg]).to(out.dtype)
+        out[s.fix] = (_values(codes[s.fix], top) * factor[s.fix_seg]).to(out.dtype)
+    return out
+
+
+@kernel
+def _scale_sum_rows(out2d, codes3d, split, column, factor_first, factor_second) -> torch.Tensor:
+    second = (column >= split[:, None])[None]
+    factor = torch.where(second, factor_second[:, :, None], factor_first[:, :, None])
+    return out2d.copy_((codes3d.float() * factor).sum(0))
+
+
+def scale_sum_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factors: torch.Tensor) -> torch.Tensor:
+    """out = sum over workers w of codes[w] * factors[w, param]: codes (n, numel) that each carry their own
+    scales (QSGD's allgather), summed into the bucket's buffer in one pass over the n payloads."""
+    if s.rows:
+        padded = F.pad(factors, (0, 1))
+        _scale_sum_rows(_rows(out, s), codes[:, : s.rows * ROW].view(-1, s.rows, ROW), s.split, s.column,
+                        padded[:, s.first], padded[:, s.second])
+    if s.fix.numel():
+        out[s.fix] = (codes[:, s.fix].float() * factors[:, s.fix_seg]).sum(0).to(out.dtype)
     return out
 
 
@@ -339,8 +365,6 @@ def exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
     counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ key
     return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter))
 
-
-exp_values = kernel(Q.exp_decode)  # codes -> float32 values; scale_into then scales them into the bucket
 
 
 @kernel
