@@ -12,6 +12,7 @@ import netgain.comm as comm
 from netgain.comm.adaptive import OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
 from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK, codec_profile
+from netgain.comm.fused import Segments
 
 from distributed import run
 from test_hook import Layers, grads
@@ -151,14 +152,35 @@ def _saved(state) -> bytes:
     return buffer.getvalue()
 
 
+def _two_parameter_bucket():
+    """A large parameter and a small one 100x quieter, as a bucket with its segments and global scales."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(1 << 20, generator=g) * torch.linspace(0.1, 2, 1 << 20),
+                   torch.randn(1 << 18, generator=g) * 0.01])
+    segments = Segments.build([1 << 20, 1 << 18], [1, 2], "cpu")
+    return x, segments, segments.absmax(x)
+
+
 def test_errors_measured_on_a_sample_match_the_whole_bucket():
-    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2, 1 << 20)
+    x, segments, scales = _two_parameter_bucket()
     planner = AdaptivePlanner("kimad+", bits=(8, 4, 2), topk_ratios=(0.01,))
-    planner.observe(0, x)
+    planner.observe(0, x, segments, scales)
     energy, *sampled = planner._local_errors[0]
-    whole = [option_error(o, x) for o in planner.options]
+    whole = [option_error(o, x, scales[segments.seg.long()]) for o in planner.options]
     assert energy == pytest.approx(float(x.square().sum()))
     assert sampled == pytest.approx(whole, rel=0.05)
+
+
+def test_gqsgd_error_is_measured_against_each_parameters_own_scale():
+    """The codec rounds each parameter against its own global max |g|: the quiet parameter's error is
+    10^4 x smaller than against the bucket's max, and the measured error is the codec's."""
+    x, segments, scales = _two_parameter_bucket()
+    quiet = slice(1 << 20, None)
+    own = option_error(GlobalQSGD(4), x[quiet], scales[1])
+    bucket_wide = option_error(GlobalQSGD(4), x[quiet], float(x.abs().max()))
+    assert own < bucket_wide / 1e3
+    per_element = option_error(GlobalQSGD(4), x, scales[segments.seg.long()])
+    assert per_element == pytest.approx(option_error(GlobalQSGD(4), x[: 1 << 20], scales[0]) + own, rel=1e-4)
 
 
 def test_option_errors_order_as_expected():

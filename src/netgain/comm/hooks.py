@@ -246,7 +246,7 @@ class CommState:
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
             job["verdict"].set_result(None)
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
-            self.chooser.observe(index, x)  # only buckets the planner plans (not warm-up, not tiny ones)
+            self.chooser.observe(index, x, segments, ctx.scales)  # only buckets the planner plans (not warm-up, not tiny ones)
         restart = feedback and not codec.uses_feedback  # the memory restarts from this step's gradient
         local_grad = ctx.feedback.restart(x, ctx) if restart else None
         exact = None
