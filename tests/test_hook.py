@@ -223,6 +223,7 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
     if resume_from is not None:
         saved = torch.load(io.BytesIO(resume_from), weights_only=True)  # a checkpoint is data, never code
         state.load_state_dict(saved)
+        assert state.chooser.state_dict() == saved["chooser"], "a rank did not take the saved chooser state exactly"
         first = saved["step"]
     out = []
     for step in range(first, first + steps):
@@ -258,9 +259,10 @@ def test_rank_zero_checkpoint_resumes_every_rank_exactly(world_size):
             expected = straight[rank][1][codec][0][3:]
             resumed = second_half[rank][1][codec][0]
             assert all(torch.equal(a, b) for a, b in zip(expected, resumed)), (codec, rank)
-    # kimad+: the plan is re-measured, but what the ranks had agreed (link, compute time) carries over
+    # kimad+: the plan is re-measured, but what the ranks had agreed (link, compute time, the overruns behind
+    # the margin) carries over exactly to every rank (train compares it right after loading)
     kimad = torch.load(io.BytesIO(saved["kimad+"]), weights_only=True)
-    assert kimad["chooser"]["bandwidth"] > 0 and kimad["step"] == 3
+    assert kimad["chooser"]["bandwidth"] > 0 and kimad["step"] == 3 and kimad["chooser"]["overruns"]
     assert second_half[0][1]["kimad+"][3][0]["step"] == 3
 
 
