@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
+from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
 from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK, codec_profile
 from netgain.comm.fused import Segments
@@ -266,7 +266,7 @@ def test_plan_identical_on_every_rank(mode):
     assert plans0 == plans1
     assert torch.equal(grads0, grads1)
     assert plans0[-1][0] and plans0[-1][1] > 0  # a plan was made from a measured bandwidth
-    assert all(error <= 0.05 for _, _, error in plans0 if error is not None)  # within max_error, every step
+    assert all(error <= MAX_ERROR for _, _, error in plans0 if error is not None)  # within max_error, every step
 
 
 def test_forced_mismatch_raises_on_every_rank():

@@ -17,7 +17,7 @@ from typing import ClassVar, Union
 
 import torch
 
-from .adaptive import AdaptivePlanner
+from .adaptive import MAX_ERROR, AdaptivePlanner
 from .codecs import Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK
 from .lowrank import LowRank
 
@@ -114,7 +114,7 @@ class KimadConfig:
     replan_every: int = 10
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
     topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1)
-    max_error: float = 0.05
+    max_error: float = MAX_ERROR
 
     def __post_init__(self):
         if self.budget_ms is not None and not 0 < self.budget_ms < float("inf"):
