@@ -36,9 +36,9 @@ def grads(model):
                       for p in model.module.parameters()]).clone()
 
 
-def nan_on_rank_one(rank, world_size, policy, codec="gqsgd"):
+def nan_on_rank_one(rank, world_size, policy, codec="gqsgd", options=None):
     model = ddp(Layers())
-    state = comm.register(model, codec, min_compress_numel=0, nonfinite=policy)
+    state = comm.register(model, codec, min_compress_numel=0, nonfinite=policy, **(options or {}))
     try:
         model(0, rank).backward()  # a clean step first
         model.zero_grad()
@@ -51,12 +51,40 @@ def nan_on_rank_one(rank, world_size, policy, codec="gqsgd"):
         state.close()  # the buckets after the failing one still complete on every rank
 
 
-@pytest.mark.parametrize("world_size,codec", [(2, "gqsgd"), (3, "gqsgd"), (2, "topk"), (3, "fp16"), (2, "none"),
-                                              (2, "lowrank")])
-def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec):
-    results = run(nan_on_rank_one, world_size, "raise", codec)
+@pytest.mark.parametrize("world_size,codec,options", [(2, "gqsgd", {}), (3, "gqsgd", {}), (2, "topk", {}), (3, "fp16", {}),
+                                                      (2, "none", {}), (2, "lowrank", {}), (3, "lowrank", {"factors": "fp32"})])
+def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, options):
+    results = run(nan_on_rank_one, world_size, "raise", codec, options)
     assert all(status == "error" and message.startswith("NonFiniteGradientError: ") and "b" in message
                for status, message in results), results
+
+
+def lowrank_state_after_nan(rank, world_size):
+    """Low rank with fp32 factors has no header: NaN is caught on round 1's sum, before any state is written."""
+    model = ddp(Layers())
+    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0, warmup_steps=0)
+    try:
+        model(0, rank).backward()
+        before = state.store.local_state(), state.store.shared_state()  # residuals, warm-start Qs
+        model.zero_grad()
+        loss = model(1, rank)
+        if rank == 1:
+            loss = loss + model.module.b[0, 0] * float("nan")
+        try:
+            loss.backward()
+        except comm.NonFiniteGradientError:
+            pass
+        else:
+            return "no error"
+        state._drain()
+        after = state.store.local_state(), state.store.shared_state()
+        return all(torch.equal(value, now[name]) for old, now in zip(before, after) for name, value in old.items())
+    finally:
+        state.close()
+
+
+def test_lowrank_fp32_nan_leaves_its_state_untouched():
+    assert run(lowrank_state_after_nan, 2) == [("ok", True), ("ok", True)]
 
 
 def test_nan_sent_uncompressed_when_asked():

@@ -84,6 +84,7 @@ class Codec:
     unbiased: ClassVar[bool]
     needs_scales: ClassVar[bool] = True
     uses_feedback: ClassVar[bool] = False
+    relays: ClassVar[bool] = False     # rounds after the first are made by `relay` from the last one's result
 
     @property
     def needs_header(self) -> bool:

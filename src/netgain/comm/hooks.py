@@ -13,7 +13,9 @@ for each earlier round on that thread, so every collective still leaves in the s
 own process group, keeps their order identical on every rank. On CUDA the work runs on a side
 stream that waits on an event of the backward's stream, never synchronising it. A fixed codec with
 no header (none, fp16, bf16, qsgd) has nothing to wait for before its one collective, so the hook
-launches it from DDP's own thread, as PyTorch's hooks do, and skips the hand-off.
+launches it from DDP's own thread, as PyTorch's hooks do, and skips the hand-off. Low rank with
+fp32 factors has no header either (as PowerSGD), but its rounds wait on each other, so it stays on
+the thread; NaN/Inf are caught on each round's sum before the codec writes its state.
 
 Errors: the header makes every rank see the same verdict, so NaN/Inf or a plan mismatch raises
 on every rank; the hook of the step's last bucket waits for every bucket's verdict and raises the
@@ -145,7 +147,8 @@ class CommState:
             self.check_config(self.process_group)
         # A fixed codec without a header issues one collective per bucket and waits for nothing before
         # it: DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
-        self._inline = not self.chooser.checked and not self.chooser.codec.needs_header and self.config.nonfinite == "raise"
+        self._inline = (not self.chooser.checked and not self.chooser.codec.needs_header
+                        and not self.chooser.codec.relays and self.config.nonfinite == "raise")
         # the threads that run codecs keep the caller's intra-op thread count: OpenMP's is per thread, and a
         # new thread's default (every core) oversubscribes what the user set and makes matmuls run-dependent
         self._threads = torch.get_num_threads()
@@ -259,7 +262,12 @@ class CommState:
         sent = communicator.start(codec.collective, payload, record,
                                   combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
         for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
-            payload, op = codec.relay(sent.wait(), ctx)
+            aggregated = sent.wait()
+            if not checked and not bool(aggregated.float().sum().isfinite()):
+                # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
+                # before the codec writes its state (low rank's residual and warm start)
+                self._nonfinite_error(index, layout, None, policy="raise")
+            payload, op = codec.relay(aggregated, ctx)
             sent = communicator.start("allreduce", payload, record, op=op)
         pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 

@@ -63,7 +63,7 @@ class LowRank(Codec):
     of an m x n matrix: factor bits * r (m + n) / (m n); see `wire_bits`.
     """
 
-    name, collective, unbiased, needs_scales, uses_feedback = "lowrank", "allreduce", False, True, True
+    name, collective, unbiased, needs_scales, uses_feedback, relays = "lowrank", "allreduce", False, True, True, True
 
     def __init__(self, rank: int = 4, factors: str = "gqsgd", bits: int = 8):
         if not isinstance(rank, int) or rank < 1:
@@ -112,10 +112,22 @@ class LowRank(Codec):
         warm.copy_(torch.randn(warm.numel(), generator=generator))
 
     # ---- the rounds ----------------------------------------------------------------------
+    @property
+    def needs_header(self) -> bool:
+        """Only gqsgd factors need the header (their global scales). fp32 factors go without it, as in
+        PowerSGD: one collective fewer per bucket. NaN/Inf still raise on every rank before any state is
+        written: they reach every rank through round 1's sum, which the hook checks before `relay`."""
+        return self.factor_codec.needs_scales
+
     def local_scales(self, x, ctx):
-        """Round 1's local part: M = grad + e (in the bucket, or in an fp32 buffer for a 16-bit bucket, so
-        the residual keeps its low bits), P = M Q per group; max |P| per parameter.
+        """The header's part: round 1's local work (`_project`) and max |P| per parameter.
         (The caller times it as encoding, as it does every codec's header work.)"""
+        self._project(x, ctx)
+        return ctx.tables[self.describe()]["p_segments"].absmax(ctx.carry["p"])
+
+    def _project(self, x, ctx) -> None:
+        """Round 1's local part: M = grad + e (in the bucket, or in an fp32 buffer for a 16-bit bucket, so
+        the residual keeps its low bits), P = M Q per group; no state is written."""
         t = ctx.table(self.describe(), lambda: self._tables(ctx))
         m = x if x.dtype == torch.float32 else ctx.buffer("lowrank M", x.numel(), torch.float32, x.device)
         torch.add(x, ctx.feedback.local, out=m)
@@ -125,9 +137,11 @@ class LowRank(Codec):
             p[g.p_index] = torch.bmm(g.view(m), warm).reshape(-1)
         p[t["dense_to"]] = m[t["dense_from"]]
         ctx.carry.update(m=m, p=p, p_ctx=self._factor_context(ctx, t, "p"))
-        return t["p_segments"].absmax(p)
 
     def encode(self, x, ctx):
+        if "p" not in ctx.carry:  # no header ran (fp32 factors)
+            with ctx.timed("encode_s"):
+                self._project(x, ctx)
         p_ctx = ctx.carry["p_ctx"]
         p_ctx.scales = ctx.scales
         return self.factor_codec.encode(ctx.carry["p"], p_ctx)
