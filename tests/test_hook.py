@@ -36,16 +36,21 @@ def grads(model):
                       for p in model.module.parameters()]).clone()
 
 
+def backward_with_nan_on_rank_one(model, rank):
+    """Step 1's backward, with a NaN in parameter b's gradient on rank 1."""
+    model.zero_grad()
+    loss = model(1, rank)
+    if rank == 1:
+        loss = loss + model.module.b[0, 0] * float("nan")
+    loss.backward()
+
+
 def nan_on_rank_one(rank, world_size, policy, codec="gqsgd", options=None):
     model = ddp(Layers())
     state = comm.register(model, codec, min_compress_numel=0, nonfinite=policy, **(options or {}))
     try:
         model(0, rank).backward()  # a clean step first
-        model.zero_grad()
-        loss = model(1, rank)
-        if rank == 1:
-            loss = loss + model.module.b[0, 0] * float("nan")
-        loss.backward()
+        backward_with_nan_on_rank_one(model, rank)
         return bool(torch.isfinite(grads(model)).all())
     finally:
         state.close()  # the buckets after the failing one still complete on every rank
@@ -62,21 +67,17 @@ def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, op
 def lowrank_state_after_nan(rank, world_size):
     """Low rank with fp32 factors has no header: NaN is caught on round 1's sum, before any state is written."""
     model = ddp(Layers())
-    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0, warmup_steps=0)
+    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0)
     try:
         model(0, rank).backward()
         before = state.store.local_state(), state.store.shared_state()  # residuals, warm-start Qs
-        model.zero_grad()
-        loss = model(1, rank)
-        if rank == 1:
-            loss = loss + model.module.b[0, 0] * float("nan")
         try:
-            loss.backward()
+            backward_with_nan_on_rank_one(model, rank)
         except comm.NonFiniteGradientError:
             pass
         else:
             return "no error"
-        state._drain()
+        state.close()  # every bucket of the step is settled
         after = state.store.local_state(), state.store.shared_state()
         return all(torch.equal(value, now[name]) for old, now in zip(before, after) for name, value in old.items())
     finally:

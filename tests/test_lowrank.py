@@ -147,7 +147,7 @@ def test_low_rank_gradients_arrive_exactly():
     for factors, tolerance in (("fp32", 1e-5), ("gqsgd", 2e-2)):
         got, wire = results[0][1][factors]
         assert (got - mean).norm() <= tolerance * mean.norm(), factors
-    assert results[0][1]["fp32"][1] == 4 * (64 + 96)  # P and Q of rank 1, fp32, and no header (as PowerSGD)
+    assert results[0][1]["fp32"][1] == 4 * (64 + 96)  # P and Q of rank 1, fp32, and no header
 
 
 @pytest.mark.parametrize("build,match", [(lambda: comm.LowRankConfig(rank=0), "rank must be an integer >= 1"),

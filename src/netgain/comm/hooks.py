@@ -14,8 +14,7 @@ own process group, keeps their order identical on every rank. On CUDA the work r
 stream that waits on an event of the backward's stream, never synchronising it. A fixed codec with
 no header (none, fp16, bf16, qsgd) has nothing to wait for before its one collective, so the hook
 launches it from DDP's own thread, as PyTorch's hooks do, and skips the hand-off. Low rank with
-fp32 factors has no header either (as PowerSGD), but its rounds wait on each other, so it stays on
-the thread; NaN/Inf are caught on each round's sum before the codec writes its state.
+fp32 factors has no header either, but its rounds wait on each other, so it stays on the thread; NaN/Inf are caught on each round's sum before the codec writes its state.
 
 Errors: the header makes every rank see the same verdict, so NaN/Inf or a plan mismatch raises
 on every rank; the hook of the step's last bucket waits for every bucket's verdict and raises the
@@ -263,7 +262,7 @@ class CommState:
                                   combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
         for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
             aggregated = sent.wait()
-            if not checked and not bool(aggregated.float().sum().isfinite()):
+            if not checked and not bool(aggregated.sum().isfinite()):
                 # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
                 # before the codec writes its state (low rank's residual and warm start)
                 self._nonfinite_error(index, layout, None, policy="raise")

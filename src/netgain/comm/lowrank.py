@@ -114,9 +114,10 @@ class LowRank(Codec):
     # ---- the rounds ----------------------------------------------------------------------
     @property
     def needs_header(self) -> bool:
-        """Only gqsgd factors need the header (their global scales). fp32 factors go without it, as in
-        PowerSGD: one collective fewer per bucket. NaN/Inf still raise on every rank before any state is
-        written: they reach every rank through round 1's sum, which the hook checks before `relay`."""
+        """Only gqsgd factors need the header (their global scales). fp32 factors go without it: two
+        collectives per bucket, P (the dense parameters riding along) then Q, where PyTorch's PowerSGD
+        runs three (its uncompressed tensors, P, Q). NaN/Inf still raise on every rank before any state
+        is written: they reach every rank through round 1's sum, which the hook checks before `relay`."""
         return self.factor_codec.needs_scales
 
     def local_scales(self, x, ctx):
