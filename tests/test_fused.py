@@ -109,13 +109,14 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     assert torch.equal(fused.round_int8(x, s, multiplier, keys, 127, torch.empty_like(expected)), expected)
     assert torch.equal(fused.scale_into(torch.empty_like(x), expected, s, multiplier), expected.float() * multiplier[seg])
     assert torch.equal(s.absmax(x), torch.stack([part.abs().max() for part in x.split(sizes)]))
-    for per_word, width in [(3, 10), (2, 15)]:  # planar packing: fields cut rows at other places
-        total = -(-s.numel // per_word)
-        padded = torch.full((per_word * total,), -127, dtype=torch.int8)
-        padded[: s.numel] = expected
-        words = fused.pack(torch.empty(total, dtype=torch.int32), padded, 127, width)
-        unpacked = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, 127, width)
-        assert torch.equal(unpacked, expected.float() * multiplier[seg])
+    layouts = [fused.Words(torch.int32, 10, 3, 127), fused.Words(torch.int64, 15, 4, 127),
+               fused.Words(torch.int32, 8, 4, 0)]  # planar fields cut rows at other places; int8's signed bytes
+    for layout in layouts:
+        words = fused.round_pack(x, s, multiplier, keys, 127, layout,
+                                 torch.empty(layout.count(s.numel), dtype=layout.dtype))
+        decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, layout.offset,
+                                          signed=not layout.offset)
+        assert torch.equal(decoded, expected.float() * multiplier[seg])
     scales = x.abs().max() * (torch.rand(len(sizes)) + 0.5)  # some elements above their scale: saturation
     for exponents in (127, 3):
         exp_codes = Q.exp_encode(x / scales[seg], 3, exponents, noise(s, keys))

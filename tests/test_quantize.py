@@ -53,11 +53,14 @@ def test_packed_sum_never_overflows_and_decodes_exactly(world_size, bits, data):
 @given(world_size=st.integers(1, 127), kind=st.sampled_from(["max", "min", "random"]))
 def test_int8_sum_of_every_worker_stays_in_range(world_size, kind):
     codec = GlobalQSGD(8, "int8")
-    payloads, code_sum, _, _ = worker_payloads(codec, world_size, 64, kind, 0)
+    payloads, code_sum, s, scale = worker_payloads(codec, world_size, 4099, kind, 0)  # whole rows and a tail
     assert all(p.dtype == torch.int8 for p in payloads)
     wide = torch.stack(payloads).long().sum(0)
-    assert wide.abs().max() <= 127 and torch.equal(wide, code_sum)
-    assert torch.equal(torch.stack(payloads).sum(0, dtype=torch.int8).long(), wide)  # the int8 SUM is exact
+    summed = torch.stack(payloads).sum(0, dtype=torch.int8)  # what the native int8 allreduce computes
+    assert wide.abs().max() <= 127 and torch.equal(summed.long(), wide)  # the int8 SUM is exact
+    ctx = Context(world_size, s, s.keys, s.keys, scales=scale)
+    decoded = codec.decode(summed, torch.empty(4099), ctx)
+    assert torch.equal(decoded, code_sum.float() * (1.0 / (codec.levels(world_size) * world_size)))
 
 
 def test_int8_rejects_more_workers_than_it_can_hold():

@@ -217,28 +217,29 @@ class GlobalQSGD(Codec):
             return 8.0
         return Q.packed_bits_per_element(self.levels(world_size), world_size)
 
+    def words(self, world_size: int) -> fused.Words:
+        """How this codec's codes sit in the integer words it sends."""
+        if self.encoding == "int8":
+            return fused.Words(torch.int32, 8, 4, 0)
+        levels = self.levels(world_size)
+        dtype, width, per_word = Q.word_layout(levels, world_size)
+        return fused.Words(dtype, width, per_word, levels)
+
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
-            levels, s = self.levels(ctx.world_size), ctx.segments
-            multiplier = levels / ctx.scales
-            if self.encoding == "int8":
-                return fused.round_int8(x, s, multiplier, ctx.noise_keys, levels,
-                                        ctx.buffer("exp codes", x.numel(), torch.int8, x.device))
-            dtype, width, per_word = Q.word_layout(levels, ctx.world_size)
-            words = -(-x.numel() // per_word)
-            codes = ctx.table(("padded codes", per_word, levels), lambda: torch.full(
-                (per_word * words,), -levels, dtype=torch.int8, device=x.device))  # the padding stays -levels
-            fused.round_int8(x, s, multiplier, ctx.noise_keys, levels, codes[: x.numel()])
-            return fused.pack(ctx.buffer("words", words, dtype, x.device), codes, levels, width)
+            levels, layout = self.levels(ctx.world_size), self.words(ctx.world_size)
+            words = fused.round_pack(x, ctx.segments, levels / ctx.scales, ctx.noise_keys, levels, layout,
+                                     ctx.buffer("words", layout.count(x.numel()), layout.dtype, x.device))
+            return words.view(torch.int8) if self.encoding == "int8" else words  # int8: the SUM runs on bytes
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
-            n, levels, s = ctx.world_size, self.levels(ctx.world_size), ctx.segments
+            n, levels, layout = ctx.world_size, self.levels(ctx.world_size), self.words(ctx.world_size)
             factor = ctx.scales / (levels * n)
             if self.encoding == "int8":
-                return fused.scale_into(out, aggregated, s, factor)
-            _, width, _ = Q.word_layout(levels, n)
-            return fused.unpack_scale_into(out, aggregated, s, factor, n * levels, width)
+                return fused.unpack_scale_into(out, aggregated.view(torch.int32), ctx.segments, factor, layout, 0,
+                                               signed=True)
+            return fused.unpack_scale_into(out, aggregated, ctx.segments, factor, layout, n * levels)
 
 
 class Int8Codes(Codec):

@@ -29,6 +29,8 @@ from . import quantize as Q
 
 COMPILE_MODES = ("auto", "1", "0")
 ROW = 1024  # elements per row of a bucket's segment table (Segments)
+# INT_LOADS: inductor's C++ (torch 2.13, AVX2) loads an integer vector through a scalar copy, 3-5x slower
+# than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
 
 
@@ -122,7 +124,7 @@ class Segments:
     base_second: torch.Tensor  # int32 (rows,) index inside `second` of the row's column 0
     fix: torch.Tensor          # int64: elements of rows with three or more parameters, and of the tail
     fix_seg: torch.Tensor      # int64: their segment ids
-    column: torch.Tensor       # int32 (ROW,) 0..ROW-1: a loaded column index vectorises, an in-kernel arange does not
+    column: torch.Tensor       # float32 (ROW,) 0..ROW-1: a loaded column vectorises, an in-kernel arange does not (INT_LOADS)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # index tables kernels derive from these
 
     @property
@@ -152,7 +154,7 @@ class Segments:
                    first=torch.where(two, a, dummy), second=torch.where(two, b, dummy),
                    split=torch.where(two & (b > a), starts[b] - origin, ROW).to(torch.int32),
                    base_first=(origin - starts[a]).to(torch.int32), base_second=(origin - starts[b]).to(torch.int32),
-                   fix=fix, fix_seg=seg[fix].long(), column=torch.arange(ROW, device=device, dtype=torch.int32))
+                   fix=fix, fix_seg=seg[fix].long(), column=torch.arange(ROW, device=device, dtype=torch.float32))
 
     def per_row(self, values: torch.Tensor, pad: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A per-parameter table as (first, second) per row: two gathers of `rows` entries (`pad` in fix rows,
@@ -200,7 +202,7 @@ def _round(x, inside, multiplier, key, levels: int):
 def _round_rows(out2d, x2d, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
                 levels: int) -> torch.Tensor:
     second = column >= split[:, None]  # the element lies in the row's second parameter
-    return out2d.copy_(_round(x2d, _pick(second, base_first, base_second) + column,
+    return out2d.copy_(_round(x2d, _pick(second, base_first, base_second) + column.to(torch.int32),
                               _pick(second, mult_first, mult_second), _pick(second, key_first, key_second), levels))
 
 
@@ -224,57 +226,118 @@ def _rows(t: torch.Tensor, s: Segments) -> torch.Tensor:
     return t[: s.rows * ROW].view(s.rows, ROW)
 
 
-@kernel
-def pack(out, codes, levels: int, width: int) -> torch.Tensor:
-    """Offset codes (code + levels, in [0, 2 levels]) as the planar fields of `width` bits of ``out``'s
-    words (codes: per_word x W, padded with -levels); every field is read from one contiguous slice."""
-    fields = codes.view(-1, out.numel())
-    words = None
-    for j in range(fields.shape[0]):
-        field = (fields[j].to(out.dtype) + levels) << (width * j)
-        words = field if words is None else words | field
-    return out.copy_(words)
+# ---- codes packed into integer words, straight from the gradient ---------------------------
 
 
-@kernel
-def _unpack_rows(out2d, words2d, shift: int, mask: int, offset: int, split, column, factor_first,
-                 factor_second) -> torch.Tensor:
-    sums = ((words2d >> shift) & mask).to(torch.int32) - offset
-    return out2d.copy_(sums.float() * _pick(column >= split[:, None], factor_first, factor_second))
+@dataclass(frozen=True)
+class Words:
+    """How codes sit in integer words: ``per_word`` fields of ``width`` bits; a field holds
+    (code + offset) & mask. Planar: field j of the first ``main`` words holds elements [j main, (j+1) main),
+    so every field is a run of whole rows of the bucket; the elements after them (and those of rows that
+    cut three or more parameters) are `side` elements, written and read one by one.
 
-
-def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, factor: torch.Tensor, offset: int,
-                      width: int) -> torch.Tensor:
-    """out = (summed field - offset) * factor[param] from planar packed words, into the bucket's buffer.
-
-    A field, a sum of n codes, fits 31 bits: int32 from there on. Field j's elements [jW, (j+1)W)
-    are decoded row-wise (one pass per field, per_word <= 10); the rows that two fields share go
-    with the fix elements, one element at a time.
+    gqsgd packed: offset = levels, fields never carry under an integer SUM of the words.
+    gqsgd int8: 4 fields of 8 bits, offset 0, two's-complement bytes: the SUM runs on the words' bytes as int8.
     """
-    mask, total = (1 << width) - 1, words.numel()
-    per_word = -(-s.numel // total)
-    shared = []
-    if s.rows:
-        f1, f2, out2d = *s.per_row(factor), _rows(out, s)
+
+    dtype: torch.dtype
+    width: int
+    per_word: int
+    offset: int  # added to a code before it is masked into its field
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.width) - 1
+
+    def main(self, numel: int) -> int:
+        """Words whose fields are whole rows: a multiple of ROW."""
+        return numel // self.per_word // ROW * ROW
+
+    def count(self, numel: int) -> int:
+        return -(-numel // self.per_word)
+
+    def side(self, s: "Segments") -> tuple[torch.Tensor, ...]:
+        """(element, word, shift, segment id) of the side elements: those of fix rows inside the main words,
+        then the tail, planar over the words after the main ones. Built once per layout."""
+        key = ("side", self.per_word, self.width)
+        if key not in s.cache:
+            main = self.main(s.numel)
+            inside = s.fix[s.fix < self.per_word * main]
+            tail = torch.arange(self.per_word * main, s.numel, device=s.seg.device)
+            rest = -(-tail.numel() // self.per_word)
+            word = torch.cat([inside % max(main, 1), main + (tail - self.per_word * main) % max(rest, 1)])
+            field = torch.cat([inside // max(main, 1), (tail - self.per_word * main) // max(rest, 1)])
+            index = torch.cat([inside, tail])
+            s.cache[key] = (index, word, field * self.width, s.seg[index].long())
+        return s.cache[key]
+
+
+@kernel
+def _round_pack_rows(words2d, x3d, split, column, base_first, base_second, mult_first, mult_second, key_first,
+                     key_second, levels: int, offset: int, mask: int, width: int) -> torch.Tensor:
+    """Field j of every word from rows x3d[j] (per-row tables viewed (per_word, rows)): the rounding and
+    the packing in one pass, no code stored in between."""
+    words = None
+    for j in range(x3d.shape[0]):
+        second = column >= split[j][:, None]
+        codes = _round(x3d[j], _pick(second, base_first[j], base_second[j]) + column.to(torch.int32),
+                       _pick(second, mult_first[j], mult_second[j]), _pick(second, key_first[j], key_second[j]),
+                       levels).to(torch.int32)
+        packed = ((codes + offset) & mask).to(words2d.dtype) << (width * j)  # int32 maths: AVX2 lacks int64's
+        words = packed if words is None else words | packed
+    return words2d.copy_(words)
+
+
+def round_pack(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_keys: torch.Tensor, levels: int,
+               layout: Words, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (layout.count words) = codes in [-levels, levels] of x * multiplier[param], stochastically
+    rounded and packed as ``layout`` says; the same codes as `round_int8`, in one pass over x."""
+    main, per_word = layout.main(s.numel), layout.per_word
+    if main:
+        rows = main // ROW
+        tables = [t[: per_word * rows].view(per_word, rows) for t in
+                  (s.split, s.base_first, s.base_second, *s.per_row(multiplier), *s.per_row(noise_keys))]
+        _round_pack_rows(out[:main].view(rows, ROW), x[: per_word * main].view(per_word, rows, ROW), tables[0],
+                         s.column, *tables[1:], levels, layout.offset, layout.mask, layout.width)
+    out[main:] = sum(layout.offset << (layout.width * j) for j in range(per_word))  # every field holds code 0
+    index, word, shift, seg = layout.side(s)
+    if index.numel():  # their fields hold code 0 (multiplier 0 in fix rows): add the difference
+        codes = _round_elements(x[index], index, seg, s.starts, multiplier, noise_keys, levels).long()
+        delta = (((codes + layout.offset) & layout.mask) - layout.offset) << shift
+        out.index_add_(0, word, delta.to(out.dtype))
+    return out
+
+
+@kernel
+def _unpack_rows(out2d, bits2d, offset: int, mask: int, sign: int, shift: int, split, column, factor_first,
+                 factor_second) -> torch.Tensor:
+    """One field of every word (one call per field: 2-9x faster than all fields in one kernel)."""
+    words2d = bits2d.view(torch.int32 if bits2d.dtype == torch.float32 else torch.int64)  # INT_LOADS
+    fields = ((words2d >> shift) & mask).to(torch.int32)
+    values = fields - offset - ((fields & sign) << 1)
+    return out2d.copy_(values.float() * _pick(column >= split[:, None], factor_first, factor_second))
+
+
+def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, factor: torch.Tensor, layout: Words,
+                      offset: int, signed: bool = False) -> torch.Tensor:
+    """out = (field - offset) * factor[param] from words laid out by ``layout``, into the bucket's buffer.
+
+    A field is a sum of n codes: ``offset`` is n times the layout's, and ``signed`` reads two's-complement
+    fields (gqsgd int8's bytes, summed as int8)."""
+    main, per_word = layout.main(s.numel), layout.per_word
+    sign = 1 << (layout.width - 1) if signed else 0
+    if main:
+        rows = main // ROW
+        f1, f2 = s.per_row(factor)
+        bits = words[:main].view(torch.float32 if words.dtype == torch.int32 else torch.float64).view(rows, ROW)
         for j in range(per_word):
-            first, last = -(-j * total // ROW), min((j + 1) * total, s.rows * ROW) // ROW  # rows inside field j
-            if last > first:
-                begin = first * ROW - j * total
-                _unpack_rows(out2d[first:last], words[begin: begin + (last - first) * ROW].view(-1, ROW), width * j,
-                             mask, offset, s.split[first:last], s.column, f1[first:last], f2[first:last])
-            if j and (j * total) % ROW and (j * total) // ROW < s.rows:
-                shared.append((j * total) // ROW)
-    key = ("unpack elementwise", total, width)
-    if key not in s.cache:  # once per layout and word count: no per-step host-to-device copy
-        index = s.fix
-        if shared:
-            rows = torch.tensor(shared, device=out.device)
-            index = torch.cat([index, (rows[:, None] * ROW + s.column).flatten()])
-        s.cache[key] = (index, index % total, index // total * width, s.seg[index].long())
-    index, word, shift, seg = s.cache[key]
+            field = slice(j * rows, (j + 1) * rows)
+            _unpack_rows(out[j * main: (j + 1) * main].view(rows, ROW), bits, offset, layout.mask, sign,
+                         layout.width * j, s.split[field], s.column, f1[field], f2[field])
+    index, word, shift, seg = layout.side(s)
     if index.numel():
-        sums = ((words[word] >> shift) & mask) - offset
-        out[index] = (sums.float() * factor[seg]).to(out.dtype)
+        fields = (words[word].long() >> shift) & layout.mask
+        out[index] = ((fields - offset - ((fields & sign) << 1)).float() * factor[seg]).to(out.dtype)
     return out
 
 
@@ -340,7 +403,7 @@ def noise_at(index, seg, starts, noise_keys) -> torch.Tensor:
 def _exp_rows(out2d, x2d, split, column, base_first, base_second, scale_first, scale_second, key_first, key_second,
               top: int, exponents: int) -> torch.Tensor:
     second = column >= split[:, None]
-    noise = uniform((_pick(second, base_first, base_second) + column) ^ _pick(second, key_first, key_second))
+    noise = uniform((_pick(second, base_first, base_second) + column.to(torch.int32)) ^ _pick(second, key_first, key_second))
     return out2d.copy_(Q.exp_encode(x2d / _pick(second, scale_first, scale_second), top, exponents, noise))
 
 
