@@ -363,11 +363,13 @@ def _scale_rows(out2d, codes2d, split, column, factor_first, factor_second, top:
 
 def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torch.Tensor,
                top: int | None = None) -> torch.Tensor:
-    """out = value(codes) * factor[param], written into the bucket's own buffer in one pass (decode in
-    place); ``top``: the codes are power-of-two codes (`quantize.exp_encode`) with that top exponent."""
+    """out = value(codes) * factor[param], decoded in the bucket's own buffer; ``top``: the codes are
+    power-of-two codes (`quantize.exp_encode`) with that top exponent. The int8 codes are cast into ``out``
+    first (INT_LOADS: two passes over floats beat one over int8), then the kernel works in place."""
     if s.rows:
         f1, f2 = s.per_row(factor)
-        _scale_rows(_rows(out, s), _rows(codes, s), s.split, s.column, f1, f2, top)
+        head = _rows(out, s).copy_(_rows(codes, s))
+        _scale_rows(head, head, s.split, s.column, f1, f2, top)
     if s.fix.numel():
         out[s.fix] = (_values(codes[s.fix], top) * factor[s.fix_seg]).to(out.dtype)
     return out
@@ -435,9 +437,14 @@ def exp_encode(x: torch.Tensor, s: Segments, scales: torch.Tensor, noise_keys: t
     return out
 
 
-@kernel
 def exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
-    """One ring hop: decode two chunks of codes, add, re-encode with noise keyed by (hop, rank)."""
+    """One ring hop: decode two chunks of codes, add, re-encode with noise keyed by (hop, rank); the int8
+    chunks reach the kernel cast to float (INT_LOADS)."""
+    return _exp_combine(a.float(), b.float(), key, top, exponents)
+
+
+@kernel
+def _exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
     counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ key
     return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter))
 
