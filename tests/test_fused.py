@@ -114,8 +114,7 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     for layout in layouts:
         words = fused.round_pack(x, s, multiplier, keys, 127, layout,
                                  torch.empty(layout.count(s.numel), dtype=layout.dtype))
-        decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, layout.offset,
-                                          signed=not layout.offset)
+        decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, 1)
         assert torch.equal(decoded, expected.float() * multiplier[seg])
     scales = x.abs().max() * (torch.rand(len(sizes)) + 0.5)  # some elements above their scale: saturation
     for exponents in (127, 3):

@@ -14,6 +14,7 @@ ctx.scales = the global max |g| of every parameter (the hook's header allreduce 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from contextlib import contextmanager
@@ -218,12 +219,8 @@ class GlobalQSGD(Codec):
         return Q.packed_bits_per_element(self.levels(world_size), world_size)
 
     def words(self, world_size: int) -> fused.Words:
-        """How this codec's codes sit in the integer words it sends."""
-        if self.encoding == "int8":
-            return fused.Words(torch.int32, 8, 4, 0)
-        levels = self.levels(world_size)
-        dtype, width, per_word = Q.word_layout(levels, world_size)
-        return fused.Words(dtype, width, per_word, levels)
+        """How this codec's codes sit in the integer words it sends (built once per world size)."""
+        return _words(self.encoding, self.levels(world_size), world_size)
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
@@ -235,11 +232,16 @@ class GlobalQSGD(Codec):
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
             n, levels, layout = ctx.world_size, self.levels(ctx.world_size), self.words(ctx.world_size)
-            factor = ctx.scales / (levels * n)
-            if self.encoding == "int8":
-                return fused.unpack_scale_into(out, aggregated.view(torch.int32), ctx.segments, factor, layout, 0,
-                                               signed=True)
-            return fused.unpack_scale_into(out, aggregated, ctx.segments, factor, layout, n * levels)
+            return fused.unpack_scale_into(out, aggregated.view(layout.dtype), ctx.segments, ctx.scales / (levels * n),
+                                           layout, n)
+
+
+@functools.cache
+def _words(encoding: str, levels: int, world_size: int) -> fused.Words:
+    if encoding == "int8":
+        return fused.Words(torch.int32, 8, 4, 0)
+    dtype, width, per_word = Q.word_layout(levels, world_size)
+    return fused.Words(dtype, width, per_word, levels)
 
 
 class Int8Codes(Codec):

@@ -243,7 +243,7 @@ class Words:
     dtype: torch.dtype
     width: int
     per_word: int
-    offset: int  # added to a code before it is masked into its field
+    offset: int  # added to a code before it is masked into its field; 0: two's-complement fields
 
     @property
     def mask(self) -> int:
@@ -324,18 +324,20 @@ def _unpack_rows(out2d, bits2d, offset: int, mask: int, sign: int, shift: int, s
     """One field of every word (one call per field: 2-9x faster than all fields in one kernel)."""
     words2d = bits2d.view(torch.int32 if bits2d.dtype == torch.float32 else torch.int64)  # INT_LOADS
     fields = ((words2d >> shift) & mask).to(torch.int32)
-    values = fields - offset - ((fields & sign) << 1)
-    return out2d.copy_(values.float() * _pick(column >= split[:, None], factor_first, factor_second))
+    return out2d.copy_(_field_values(fields, offset, sign).float() * _pick(column >= split[:, None], factor_first, factor_second))
+
+
+def _field_values(fields, offset: int, sign: int):
+    """The sum of codes a field holds: less the summed offsets, or (sign = the top bit) two's complement."""
+    return fields - offset - ((fields & sign) << 1)
 
 
 def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, factor: torch.Tensor, layout: Words,
-                      offset: int, signed: bool = False) -> torch.Tensor:
-    """out = (field - offset) * factor[param] from words laid out by ``layout``, into the bucket's buffer.
-
-    A field is a sum of n codes: ``offset`` is n times the layout's, and ``signed`` reads two's-complement
-    fields (gqsgd int8's bytes, summed as int8)."""
+                      summands: int) -> torch.Tensor:
+    """out = (sum of the codes in a field) * factor[param] from words laid out by ``layout`` (each field the
+    integer SUM of ``summands`` workers' codes), into the bucket's buffer."""
     main, per_word = layout.main(s.numel), layout.per_word
-    sign = 1 << (layout.width - 1) if signed else 0
+    offset, sign = summands * layout.offset, 0 if layout.offset else 1 << (layout.width - 1)
     if main:
         rows = main // ROW
         f1, f2 = s.per_row(factor)
@@ -347,7 +349,7 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
     index, word, shift, seg = layout.side(s)
     if index.numel():
         fields = (words[word].long() >> shift) & layout.mask
-        out[index] = ((fields - offset - ((fields & sign) << 1)).float() * factor[seg]).to(out.dtype)
+        out[index] = (_field_values(fields, offset, sign).float() * factor[seg]).to(out.dtype)
     return out
 
 
