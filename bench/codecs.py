@@ -61,6 +61,7 @@ def main():
     parser.add_argument("--first-calls", action="store_true", help=argparse.SUPPRESS)  # the second process
     args = parser.parse_args()
     if args.first_calls:
+        torch.set_num_threads(args.threads[0])
         print(json.dumps(first_calls(1 << 16, args.world_size[0], args.parameters)))
         return
 
@@ -69,6 +70,7 @@ def main():
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        torch._dynamo.reset()  # inductor's C++ bakes the thread count in: recompile, or 2 threads run 1-thread code
         for numel in args.numel:
             cast, cast_into = cast_seconds(numel, args.repeats, False), cast_seconds(numel, args.repeats, True)
             per_million = 1e6 / numel
@@ -90,7 +92,7 @@ def main():
                                  "unbiased": codec.unbiased})
                     print(rows[-1], flush=True)
     second = subprocess.run([sys.executable, __file__, "--first-calls", "--world-size", str(args.world_size[0]),
-                             "--parameters", str(args.parameters)], capture_output=True, text=True, check=True)
+                             "--parameters", str(args.parameters), "--threads", str(args.threads[-1])], capture_output=True, text=True, check=True)
     warm = json.loads(second.stdout.strip().splitlines()[-1])
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def main():
     lines += [f"| {r['codec']} | {r['numel']:,} | {r['threads']} | {r['world_size']} | {r['wire_bits']} | "
               f"{r['encode_ms_per_M']} | {r['decode_ms_per_M']} | {r['cast_ms_per_M']} | {r['x_fp16_cast']} | "
               f"{r['cast_into_ms_per_M']} | {r['x_cast_into']} | {r['first_call_extra_s']} | {'yes' if r['unbiased'] else 'no'} |" for r in rows]
-    lines += ["", f"A second process, compile cache warm (first encode + decode of a 65,536-element bucket, "
+    lines += ["", f"A second process at {args.threads[-1]} threads, compile cache warm (first encode + decode of a 65,536-element bucket, "
               f"seconds, compile included): " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items()) + "."]
     (args.out / "codecs.md").write_text("\n".join(lines) + "\n")
     print((args.out / "codecs.md").read_text())

@@ -280,7 +280,8 @@ class QSGD(Int8Codes):
         with ctx.timed("decode_s"):
             numel = out.numel()
             factors = aggregated[:, numel:].contiguous().view(torch.float32) / (self.levels * ctx.world_size)
-            return fused.scale_sum_into(out, aggregated[:, :numel], ctx.segments, factors)
+            scratch = ctx.buffer("qsgd decode", numel, torch.float32, out.device)
+            return fused.scale_sum_into(out, aggregated[:, :numel], ctx.segments, factors, scratch)
 
 
 class GlobalQSGDExp(Int8Codes):
