@@ -9,10 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> str:
-    """Short HEAD hash, marked when src/ or bench/ differ from it (the numbers are then not HEAD's)."""
+def git_commit(root: Path = ROOT) -> str:
+    """Short HEAD hash of the checkout at ``root``, marked when src/ or bench/ differ from it (the numbers are then not HEAD's)."""
     def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=root).stdout.strip()
     dirty = git("status", "--porcelain", "--", "src", "bench/*.py")
     return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 

@@ -1,0 +1,94 @@
+"""Codec cost, before and after a change: fresh processes alternating base and head (A B A B ...).
+
+Why: a codec's cost moves 2x between processes on a shared machine (allocator state, caches), so a
+change is judged per pair of neighbouring processes, never against a number from another run.
+
+    git worktree add /tmp/base <rev>
+    python bench/codec_ab.py --base /tmp/base --codecs gqsgd:8:packed gqsgd-exp topk --out bench/results/codec_ab
+
+Each process: 1 torch thread, one untimed call (the compile), then `time_codec` (median of 5) of each
+codec on a bucket of --parameters equal parameters. Writes OUT.md: encode + decode ms per million
+elements, median (min-max) over rounds, and the speed-up per pair.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from provenance import git_commit
+
+HEAD = Path(__file__).resolve().parent.parent
+
+
+def measure(args) -> None:
+    import torch
+
+    from netgain.comm.codecs import make_codec, time_codec
+
+    torch.set_num_threads(1)
+    out = {}
+    for spec in args.codecs:
+        name, *rest = spec.split(":")
+        params = {"bits": int(rest[0])} if rest else {}
+        if len(rest) > 1:
+            params["encoding"] = rest[1]
+        codec = make_codec(name, **params)
+        time_codec(codec, args.numel, args.world_size, repeats=1, parameters=args.parameters)
+        t = time_codec(codec, args.numel, args.world_size, repeats=5, parameters=args.parameters)
+        out[spec] = (t["encode_s"] + t["decode_s"]) * 1e9 / args.numel  # ms per million
+    print(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, help="a checkout of the base revision (e.g. a git worktree)")
+    parser.add_argument("--codecs", nargs="+", default=["gqsgd:8:packed", "gqsgd:8:int8", "gqsgd:4", "gqsgd-exp"],
+                        help="name[:bits[:encoding]]")
+    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--parameters", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HEAD / "bench" / "results" / "codec_ab")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one process
+    args = parser.parse_args()
+    if args.measure:
+        return measure(args)
+    if args.base is None:
+        parser.error("--base is required: a checkout of the revision to compare against")
+
+    flags = ["--measure", "--numel", str(args.numel), "--world-size", str(args.world_size),
+             "--parameters", str(args.parameters), "--codecs", *args.codecs]
+    load = [os.getloadavg()[0]]
+    runs = {"base": [], "head": []}
+    for _ in range(args.rounds):
+        for side, root in (("base", args.base), ("head", HEAD)):
+            env = {**os.environ, "PYTHONPATH": str(Path(root) / "src")}
+            done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True, check=True)
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    load.append(os.getloadavg()[0])
+
+    def spread(values):
+        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    lines = ["# Codec cost before and after a change, processes alternating (A B A B)", "",
+             f"Machine: {os.cpu_count()} cores, 1 torch thread; load average {load[0]:.2f} before, {load[1]:.2f} after "
+             f"(1 min). Base: {git_commit(args.base)}; head: {git_commit()}. {args.numel:,} elements, "
+             f"{args.parameters} equal parameters, {args.world_size} workers, {args.rounds} rounds.",
+             f"Command: `python bench/codec_ab.py --base <checkout of base> --codecs {' '.join(args.codecs)} "
+             f"--numel {args.numel} --world-size {args.world_size} --rounds {args.rounds}`.", "",
+             "| codec | base ms/M | head ms/M | speed-up per pair, median (min-max) |", "|---|---|---|---|"]
+    for spec in args.codecs:
+        base = [r[spec] for r in runs["base"]]
+        head = [r[spec] for r in runs["head"]]
+        lines.append(f"| {spec} | {spread(base)} | {spread(head)} | {spread([b / h for b, h in zip(base, head)])}x |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
