@@ -4,8 +4,9 @@ Why: a codec's cost moves 2x between processes on a shared machine (allocator st
 change is judged per pair of neighbouring processes, never against a number from another run.
 
     git worktree add /tmp/base <rev>
-    python bench/codec_ab.py --base /tmp/base --codecs gqsgd:8:packed gqsgd-exp topk --out bench/results/codec_ab
+    python bench/codec_ab.py --base /tmp/base --codecs "gqsgd(bits=8,encoding=packed)" "gqsgd-exp(bits=8)"
 
+Codecs are named as bench/codecs.py's table names them (netgain.comm.codecs.SETTINGS; default: all).
 Each process: 1 torch thread, one untimed call (the compile), then `time_codec` (median of 5) of each
 codec on a bucket of --parameters equal parameters. Writes OUT.md: encode + decode ms per million
 elements, median (min-max) over rounds, and the speed-up per pair.
@@ -27,27 +28,30 @@ HEAD = Path(__file__).resolve().parent.parent
 def measure(args) -> None:
     import torch
 
-    from netgain.comm.codecs import make_codec, time_codec
+    from netgain.comm.codecs import time_codec
 
     torch.set_num_threads(1)
     out = {}
-    for spec in args.codecs:
-        name, *rest = spec.split(":")
-        params = {"bits": int(rest[0])} if rest else {}
-        if len(rest) > 1:
-            params["encoding"] = rest[1]
-        codec = make_codec(name, **params)
-        time_codec(codec, args.numel, args.world_size, repeats=1, parameters=args.parameters)
-        t = time_codec(codec, args.numel, args.world_size, repeats=5, parameters=args.parameters)
-        out[spec] = (t["encode_s"] + t["decode_s"]) * 1e9 / args.numel  # ms per million
+    for name, codec in settings().items():
+        if name in args.codecs:
+            time_codec(codec, args.numel, args.world_size, repeats=1, parameters=args.parameters)
+            t = time_codec(codec, args.numel, args.world_size, repeats=5, parameters=args.parameters)
+            out[name] = (t["encode_s"] + t["decode_s"]) * 1e9 / args.numel  # ms per million
     print(json.dumps(out))
+
+
+def settings() -> dict:
+    """The codecs of bench/codecs.py's table, by the name it shows."""
+    from netgain.comm.codecs import SETTINGS, make_codec
+
+    codecs = [make_codec(name, **params) for name, params in SETTINGS]
+    return {codec.describe(): codec for codec in codecs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="a checkout of the base revision (e.g. a git worktree)")
-    parser.add_argument("--codecs", nargs="+", default=["gqsgd:8:packed", "gqsgd:8:int8", "gqsgd:4", "gqsgd-exp"],
-                        help="name[:bits[:encoding]]")
+    parser.add_argument("--codecs", nargs="+", help="names as bench/codecs.py shows them (default: all)")
     parser.add_argument("--numel", type=int, default=1 << 22)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--parameters", type=int, default=16)
@@ -59,6 +63,11 @@ def main() -> None:
         return measure(args)
     if args.base is None:
         parser.error("--base is required: a checkout of the revision to compare against")
+    known = list(settings())
+    args.codecs = args.codecs or known
+    unknown = [name for name in args.codecs if name not in known]
+    if unknown:
+        parser.error(f"--codecs: unknown {unknown}; choose from {known}")
 
     flags = ["--measure", "--numel", str(args.numel), "--world-size", str(args.world_size),
              "--parameters", str(args.parameters), "--codecs", *args.codecs]
@@ -78,7 +87,7 @@ def main() -> None:
              f"Machine: {os.cpu_count()} cores, 1 torch thread; load average {load[0]:.2f} before, {load[1]:.2f} after "
              f"(1 min). Base: {git_commit(args.base)}; head: {git_commit()}. {args.numel:,} elements, "
              f"{args.parameters} equal parameters, {args.world_size} workers, {args.rounds} rounds.",
-             f"Command: `python bench/codec_ab.py --base <checkout of base> --codecs {' '.join(args.codecs)} "
+             f"Command: `python bench/codec_ab.py --base <checkout of base> --codecs {' '.join(map(repr, args.codecs))} "
              f"--numel {args.numel} --world-size {args.world_size} --rounds {args.rounds}`.", "",
              "| codec | base ms/M | head ms/M | speed-up per pair, median (min-max) |", "|---|---|---|---|"]
     for spec in args.codecs:

@@ -33,8 +33,9 @@ ROW = 1024  # elements per row of a bucket's segment table (Segments)
 # than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
 # Inductor stores a value that has two users and reads more than 4 inputs (realize_reads_threshold), then
 # reads it back in a second loop: a per-row pick reads 5-6 tables, so that split kernels in two (and the
-# read-back of int32 hits INT_LOADS). Recomputing is cheaper: gqsgd-exp encode 8.2 -> 4.5 ms/M, packed
-# int64 words 2.7 -> 1.9 (4M elements, 1 thread).
+# read-back of int32 hits INT_LOADS). Recomputing is cheaper where it split: encode + decode at 4M elements,
+# 2 workers, 1 thread, two A B A B runs (bench/results/codec_ab_realize.md and its previous version): packed
+# int64 words 1.20x and 1.28x faster, gqsgd-exp 1.38x and 1.16x; int8 gqsgd 0.92x and 1.08x (no effect shown).
 COMPILE_OPTIONS = {"realize_reads_threshold": 64}
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
 
@@ -390,16 +391,13 @@ def _scale_add_rows(out2d, values2d, split, column, factor_first, factor_second)
 def scale_sum_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factors: torch.Tensor,
                    scratch: torch.Tensor) -> torch.Tensor:
     """out = sum over workers w of codes[w] * factors[w, param]: codes (n, numel) that each carry their own
-    scales (QSGD's allgather), summed into the bucket's buffer. Worker by worker, the int8 codes are cast
-    into ``scratch`` (numel floats) and the kernel adds them in (INT_LOADS: 2.2 -> 1.1 ms per million, n = 2)."""
-    if s.rows:
-        for w in range(codes.shape[0]):
-            f1, f2 = s.per_row(factors[w])
-            if w == 0:
-                head = _rows(out, s).copy_(_rows(codes[0], s))
-                _scale_rows(head, head, s.split, s.column, f1, f2, None)
-            else:
-                _scale_add_rows(_rows(out, s), _rows(scratch, s).copy_(_rows(codes[w], s)), s.split, s.column, f1, f2)
+    scales (QSGD's allgather), summed into the bucket's buffer. Worker 0 decodes by `scale_into`; each other
+    worker's int8 codes are cast into ``scratch`` (numel floats) and added in (INT_LOADS: 2.3 -> 1.4 ms per
+    million at n = 2, 4M elements, 1 thread). The few fix elements are summed over every worker last."""
+    scale_into(out, codes[0], s, factors[0])
+    for w in range(1, codes.shape[0] if s.rows else 0):
+        values = _rows(scratch, s).copy_(_rows(codes[w], s))
+        _scale_add_rows(_rows(out, s), values, s.split, s.column, *s.per_row(factors[w]))
     if s.fix.numel():
         out[s.fix] = (codes[:, s.fix].float() * factors[:, s.fix_seg]).sum(0).to(out.dtype)
     return out
