@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import fused
 from . import quantize as Q
@@ -304,7 +305,8 @@ class GlobalQSGDExp(Int8Codes):
     def combine(self, a, b, hop_key: int, ctx):
         """Merge two chunks of codes at one ring hop; the noise is keyed by the hop and this rank."""
         with ctx.timed("decode_s"):
-            return fused.exp_combine(a, b, ctx.noise_keys[0] ^ hop_key, Q.exp_top_exponent(ctx.world_size), self.levels)
+            return fused.exp_combine(a, b, ctx.noise_keys[0] ^ hop_key, Q.exp_top_exponent(ctx.world_size), self.levels,
+                                     ctx.buffer("exp hop", 2 * a.numel(), torch.float32, a.device))
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):
@@ -364,6 +366,8 @@ class TopK(Sparsifier):
         rank = torch.ceil(samples.double() * tables["k"] / s.sizes).long() - 1
         tables["rank"] = torch.clamp(rank, 0)
         tables["top"] = int(tables["rank"].max()) + 1  # only that many of the largest samples are needed
+        tables["ends"] = s.starts.long() + s.sizes
+        tables["unused"] = F.pad(s.starts.long()[tables["slot_seg"]], (0, 1))  # an unused slot: a zero at its start
         return tables
 
     def encode(self, x, ctx):
@@ -375,17 +379,19 @@ class TopK(Sparsifier):
             threshold = sampled.gather(1, t["rank"][:, None]).squeeze(1)
             mask = ctx.buffer("topk candidates", x.numel(), torch.int8, x.device)
             chosen = fused.flag_indices(fused.at_or_above(x, fb.local, s, threshold, mask))
-            seg_of = s.seg.index_select(0, chosen).long()
+            # the first k picks of each parameter go to its slots, the rest to one spare slot past the end;
+            # small-table lookups and index_copy_, no boolean masks (each a nonzero): 16 -> 8 ms at 16M elements
+            seg_of = torch.bucketize(chosen, t["ends"], right=True)
             first = torch.searchsorted(chosen, s.starts.long())  # where each parameter's picks begin
-            within = torch.arange(chosen.numel(), device=x.device) - first[seg_of]
-            keep = within < t["k"][seg_of]
-            index = s.starts.long()[t["slot_seg"]]              # unused slots: a zero at the parameter's start
-            index[t["kofs"][seg_of[keep]] + within[keep]] = chosen[keep]
-            values = x.index_select(0, index) - fb.local.index_select(0, index)
-            values = torch.where(t["within"] < torch.bincount(seg_of[keep], minlength=s.count)[t["slot_seg"]],
-                                 values, 0.0)
-            ctx.sent = (index, values)
-            return torch.cat([index.to(torch.int32), values.view(torch.int32)])
+            within = torch.arange(chosen.numel(), device=x.device) - first.index_select(0, seg_of)
+            total = t["total"]
+            slot = torch.where(within < t["k"].index_select(0, seg_of), t["kofs"].index_select(0, seg_of) + within, total)
+            index = ctx.buffer("topk index", total + 1, torch.int64, x.device).copy_(t["unused"])
+            values = ctx.buffer("topk values", total + 1, torch.float32, x.device).zero_()
+            index.index_copy_(0, slot, chosen)
+            values.index_copy_(0, slot, x.index_select(0, chosen) - fb.local.index_select(0, chosen))
+            ctx.sent = (index[:total], values[:total])
+            return torch.cat([index[:total].to(torch.int32), values[:total].view(torch.int32)])
 
     def decode(self, aggregated, out, ctx):
         with ctx.timed("decode_s"):

@@ -419,15 +419,15 @@ def noise_at(index, seg, starts, noise_keys) -> torch.Tensor:
 
 @kernel
 def _exp_rows(out2d, x2d, split, column, base_first, base_second, scale_first, scale_second, key_first, key_second,
-              top: int, exponents: int) -> torch.Tensor:
+              top: int, exponents: int, smallest: float) -> torch.Tensor:
     second = column >= split[:, None]
     noise = uniform((_pick(second, base_first, base_second) + column.to(torch.int32)) ^ _pick(second, key_first, key_second))
-    return out2d.copy_(Q.exp_encode(x2d / _pick(second, scale_first, scale_second), top, exponents, noise))
+    return out2d.copy_(Q.exp_encode(x2d / _pick(second, scale_first, scale_second), top, exponents, noise, smallest))
 
 
 @kernel
-def _exp_elements(x, index, seg, starts, scales, noise_keys, top: int, exponents: int) -> torch.Tensor:
-    return Q.exp_encode(x / scales[seg], top, exponents, noise_at(index.to(torch.int32), seg, starts, noise_keys))
+def _exp_elements(x, index, seg, starts, scales, noise_keys, top: int, exponents: int, smallest: float) -> torch.Tensor:
+    return Q.exp_encode(x / scales[seg], top, exponents, noise_at(index.to(torch.int32), seg, starts, noise_keys), smallest)
 
 
 def exp_encode(x: torch.Tensor, s: Segments, scales: torch.Tensor, noise_keys: torch.Tensor, top: int, exponents: int,
@@ -437,37 +437,41 @@ def exp_encode(x: torch.Tensor, s: Segments, scales: torch.Tensor, noise_keys: t
     vectorising), the fix elements one by one."""
     if s.rows:
         (c1, c2), (k1, k2) = s.per_row(scales, pad=1.0), s.per_row(noise_keys)
-        _exp_rows(_rows(out, s), _rows(x, s), s.split, s.column, s.base_first, s.base_second, c1, c2, k1, k2, top, exponents)
+        _exp_rows(_rows(out, s), _rows(x, s), s.split, s.column, s.base_first, s.base_second, c1, c2, k1, k2, top, exponents,
+                  Q.exp_smallest(top, exponents))
     if s.fix.numel():
-        out[s.fix] = _exp_elements(x[s.fix], s.fix, s.fix_seg, s.starts, scales, noise_keys, top, exponents)
+        out[s.fix] = _exp_elements(x[s.fix], s.fix, s.fix_seg, s.starts, scales, noise_keys, top, exponents,
+                                   Q.exp_smallest(top, exponents))
     return out
 
 
-def exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
+def exp_combine(a, b, key, top: int, exponents: int, scratch: torch.Tensor) -> torch.Tensor:
     """One ring hop: decode two chunks of codes, add, re-encode with noise keyed by (hop, rank); the int8
-    chunks reach the kernel cast to float (INT_LOADS)."""
-    return _exp_combine(a.float(), b.float(), key, top, exponents)
+    chunks reach the kernel cast into ``scratch`` (2, chunk floats, reused: INT_LOADS)."""
+    floats = scratch.view(2, -1)
+    return _exp_combine(floats[0].copy_(a), floats[1].copy_(b), key, top, exponents, Q.exp_smallest(top, exponents))
 
 
 @kernel
-def _exp_combine(a, b, key, top: int, exponents: int) -> torch.Tensor:
+def _exp_combine(a, b, key, top: int, exponents: int, smallest: float) -> torch.Tensor:
     counter = torch.arange(a.numel(), device=a.device, dtype=torch.int32) ^ key
-    return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter))
+    return Q.exp_encode(Q.exp_decode(a, top) + Q.exp_decode(b, top), top, exponents, uniform(counter), smallest)
 
 
 
 @kernel
 def _at_or_above_rows(out2d, x2d, local2d, split, column, threshold_first, threshold_second) -> torch.Tensor:
     above = (x2d - local2d).abs() >= _pick(column >= split[:, None], threshold_first, threshold_second)
-    return out2d.copy_(torch.where(above, 1, 0).to(torch.int8))
+    return out2d.copy_(torch.where(above, 1.0, 0.0).to(torch.int8))
 
 
 def at_or_above(x: torch.Tensor, local: torch.Tensor, s: Segments, threshold: torch.Tensor,
                 out: torch.Tensor) -> torch.Tensor:
     """``out`` (int8) = 1 where |x - local| >= threshold[param], else 0: the top-k candidates of
-    every parameter's EF21 residual. The thresholds are read once per row, and the kernel stores int8:
-    inductor's C++ stores of a bool result do not vectorise (10.9 ms per million elements against
-    0.73 for int8 and 0.24 for an fp32 -> fp16 copy, 1 thread)."""
+    every parameter's EF21 residual. The thresholds are read once per row, and the kernel stores int8
+    converted from a float 0/1: inductor's C++ stores of a bool do not vectorise, and an integer 0/1
+    converts to int8 by way of int64 (16M elements, 1 thread, ms per million: bool 4.6, int 1.23,
+    float 0.60, against 0.37 for an fp32 -> fp16 copy)."""
     if s.rows:
         t1, t2 = s.per_row(threshold)
         _at_or_above_rows(_rows(out, s), _rows(x, s), _rows(local, s), s.split, s.column, t1, t2)

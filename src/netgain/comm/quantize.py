@@ -64,7 +64,13 @@ def exp_top_exponent(world_size: int) -> int:
     return math.ceil(math.log2(world_size)) + 1
 
 
-def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -> torch.Tensor:
+def exp_smallest(top: int, exponents: int) -> float:
+    """The smallest power-of-two level, 2**(top + 1 - exponents) (>= 2**-125 for exponents <= 127: a normal float)."""
+    return 2.0 ** (top + 1 - exponents)
+
+
+def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor,
+               smallest: float | None = None) -> torch.Tensor:
     """Round |x| unbiasedly to a neighbouring power of two; return int8 codes.
 
     Code c != 0 means sign(c) * 2**(top + 1 - |c|); c = 0 means zero. ``exponents`` codes per sign
@@ -73,9 +79,11 @@ def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -
     The power of two at or below |x| is read from its float32 exponent bits (integer arithmetic and
     exact power-of-two multiplies: torch.compile fuses it into one pass, where frexp falls back).
     Magnitudes from 2**(top + 1) up, inf included, saturate at the top level.
+    Compiled callers pass ``smallest`` = `exp_smallest` (top, exponents): computed inside a kernel from
+    symbolic ints, the power became a scalar std::pow per vector of 8 (3.1 against 0.6 ms per million).
     """
     mag = x.abs().float()
-    smallest = 2.0 ** (top + 1 - exponents)  # >= 2**-125 for exponents <= 127: a normal float
+    smallest = exp_smallest(top, exponents) if smallest is None else smallest
     biased = mag.view(torch.int32) >> 23  # 2 ** (biased - 127) <= mag < 2 ** (biased - 126)
     tiny = mag < smallest
     inverse = ((254 - biased).clamp(min=0) << 23).view(torch.float32)  # 2 ** (127 - biased)
@@ -85,6 +93,8 @@ def exp_encode(x: torch.Tensor, top: int, exponents: int, noise: torch.Tensor) -
 
 
 def exp_decode(codes: torch.Tensor, top: int) -> torch.Tensor:
+    """The values of exp_encode's codes. 2**(top + 1 - |c|) is built from its float32 exponent bits (a
+    normal float for |c| <= 127): exp2 cost 1.3 ms per million elements compiled, 1 thread."""
     c = codes.to(torch.float32)
-    mag = torch.exp2(top + 1 - c.abs())
+    mag = ((top + 128 - c.abs()).to(torch.int32) << 23).view(torch.float32)
     return torch.where(c == 0, torch.zeros_like(c), torch.sign(c) * mag)
