@@ -135,7 +135,7 @@ class LowRank(Codec):
         p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
         for g in t["groups"]:
             warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
-            p[g.p_index] = torch.bmm(g.view(m), warm).reshape(-1)
+            p[g.p_index] = _times(g.view(m), warm).reshape(-1)
         p[t["dense_to"]] = m[t["dense_from"]]
         ctx.carry.update(m=m, p=p, p_ctx=self._factor_context(ctx, t, "p"))
 
@@ -157,7 +157,7 @@ class LowRank(Codec):
                 orthonormal = []
                 for g in t["groups"]:
                     basis = torch.linalg.qr(p[g.p_index].view(g.count, g.rows, self.rank)).Q
-                    q[g.q_index] = torch.bmm(g.view(carry["m"]).transpose(1, 2), basis).reshape(-1)
+                    q[g.q_index] = _times(g.view(carry["m"]).transpose(1, 2), basis).reshape(-1)
                     orthonormal.append(basis)
             carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
             if self.factor_codec.needs_scales:
@@ -175,11 +175,14 @@ class LowRank(Codec):
         with ctx.timed("decode_s"):
             dense = carry["p"][t["dense_to"]]  # P's buffer holds the dense parameters' mean
             for g, basis in zip(t["groups"], carry["basis"]):
-                approx = ctx.buffer("lowrank approx", g.count * g.rows * g.cols, torch.float32, out.device)
-                approx = torch.bmm(basis, q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2),
-                                   out=approx.view(g.count, g.rows, g.cols))
-                torch.sub(g.view(carry["m"]), approx, out=g.view(memory.local))
-                g.view(out).copy_(approx)
+                q_t = q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2)
+                # e = M - P Q^T first (M may be the bucket itself), then P Q^T straight into the bucket:
+                # no approximation buffer to write, read back and copy (1.2 + 1.0 against 1.0 + 0.5 + 0.5 ms/M)
+                torch.baddbmm(g.view(carry["m"]), basis, q_t, alpha=-1, out=g.view(memory.local))
+                if out.dtype == torch.float32:
+                    torch.bmm(basis, q_t, out=g.view(out))
+                else:  # a 16-bit bucket: bmm writes fp32 only
+                    g.view(out).copy_(torch.bmm(basis, q_t))
             memory.shared.copy_(q)
             out[t["dense_from"]] = dense.to(out.dtype)
             return out
@@ -224,6 +227,13 @@ class LowRank(Codec):
         return Context(ctx.world_size, segments, fused.hash32(keys), keys,
                        tables=ctx.table(("lowrank factor tables", factor), dict), seconds=ctx.seconds,
                        synchronize=ctx.synchronize)
+
+
+def _times(m: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """m @ factor for a batch of matrices m and thin factors (r columns), computed as (factor^T m^T)^T:
+    BLAS runs the wide product at memory speed, the tall-thin one 2-9x slower (16 x 1024 x 1024, r = 4,
+    1 thread, ms per million elements of m: M Q 1.37 -> 0.55, M^T P 5.4 -> 0.61)."""
+    return torch.bmm(factor.transpose(1, 2), m.transpose(1, 2)).transpose(1, 2)
 
 
 def _matrices(layout) -> list[tuple[int, int]]:
