@@ -244,8 +244,9 @@ def test_register_refuses_a_model_that_is_not_ddp():
         comm.register(torch.nn.Linear(2, 2), "gqsgd")
 
 
-def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
-    """Run `steps` backward passes, optionally from a saved state; rank 0 alone returns the saved state."""
+def train(rank, world_size, codec, steps, warmup=0, resume_from=None, save_at=None):
+    """Run `steps` backward passes, optionally from a saved state; rank 0 alone returns the state saved
+    at the end, or after step ``save_at`` (the run goes on: saving must not change what follows)."""
     model = ddp(Layers())
     state = comm.register(model, codec, min_compress_numel=0, warmup_steps=warmup, seed=3, replan_every=2)
     first = 0
@@ -254,14 +255,13 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
         state.load_state_dict(saved)
         assert state.chooser.state_dict() == saved["chooser"], "a rank did not take the saved chooser state exactly"
         first = saved["step"]
-    out = []
+    out, buffer = [], io.BytesIO()
     for step in range(first, first + steps):
         model.zero_grad()
         model(step, rank).backward()
         out.append(grads(model))
-    saved = state.state_dict()  # collective: every rank takes part, rank 0 writes
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
+        if step + 1 == (save_at or first + steps):
+            torch.save(state.state_dict(), buffer)  # collective: every rank takes part, rank 0 writes
     state.close()
     return out, buffer.getvalue() if rank == 0 else None, state.last_step, state.history
 
@@ -271,17 +271,17 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None):
 RESUMABLE = ["topk", "randomk", "gqsgd", "qsgd", "lowrank"]
 
 
-def train_each(rank, world_size, steps, saved=None):
-    return {codec: train(rank, world_size, codec, steps, 0, saved[codec] if saved else None)
+def train_each(rank, world_size, steps, saved=None, save_at=None):
+    return {codec: train(rank, world_size, codec, steps, 0, saved[codec] if saved else None, save_at)
             for codec in RESUMABLE + ["kimad+"]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_rank_zero_checkpoint_resumes_every_rank_exactly(world_size):
-    """6 steps straight equal 3 steps, a state saved by rank 0 alone, and 3 steps in fresh processes."""
-    straight = run(train_each, world_size, 6)
-    first_half = run(train_each, world_size, 3)
-    saved = {codec: first_half[0][1][codec][1] for codec in RESUMABLE + ["kimad+"]}
+    """6 steps straight (rank 0 alone saving the state after step 3) equal 3 steps resumed from that
+    state in fresh processes."""
+    straight = run(train_each, world_size, 6, None, 3)
+    saved = {codec: straight[0][1][codec][1] for codec in RESUMABLE + ["kimad+"]}
     second_half = run(train_each, world_size, 3, saved)
     for rank in range(world_size):
         for codec in RESUMABLE:
@@ -300,11 +300,14 @@ def load_elsewhere(rank, world_size, blob):
     state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
 
+def train_topk_and_randomk(rank, world_size):
+    return [train(rank, world_size, codec, 1)[1] for codec in ("topk", "randomk")]
+
+
 def test_loading_onto_another_world_size_or_codec_raises():
-    saved = run(train, 2, "topk", 1)[0][1][1]
+    saved, blob = run(train_topk_and_randomk, 2)[0][1]
     results = run(load_elsewhere, 3, saved)
     assert all(status == "error" and "2 ranks, this run has 3" in message for status, message in results), results
-    blob = run(train, 2, "randomk", 1)[0][1][1]
     results = run(load_elsewhere, 2, blob)
     assert all(status == "error" and "config differs in" in message for status, message in results), results
 
