@@ -131,7 +131,7 @@ class Segments:
     fix: torch.Tensor          # int64: elements of rows with three or more parameters, and of the tail
     fix_seg: torch.Tensor      # int64: their segment ids
     column: torch.Tensor       # float32 (ROW,) 0..ROW-1: a loaded column vectorises, an in-kernel arange does not (INT_LOADS)
-    cache: dict = field(default_factory=dict, repr=False, compare=False)  # index tables kernels derive from these
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # index tables kernels derive from these, scratch
 
     @property
     def count(self) -> int:
@@ -262,6 +262,13 @@ class Words:
     def count(self, numel: int) -> int:
         return -(-numel // self.per_word)
 
+    def halves(self, s: "Segments") -> torch.Tensor:
+        """Scratch for the (low, high) int32 halves of int64 main words, (2, rows, ROW); one per layout."""
+        key = ("halves", self.per_word, self.width)
+        if key not in s.cache:
+            s.cache[key] = torch.empty(2, self.main(s.numel) // ROW, ROW, dtype=torch.int32, device=s.seg.device)
+        return s.cache[key]
+
     def side(self, s: "Segments") -> tuple[torch.Tensor, ...]:
         """(element, word, shift, segment id) of the side elements: those of fix rows inside the main words,
         then the tail, planar over the words after the main ones. Built once per layout."""
@@ -279,25 +286,30 @@ class Words:
 
 
 @kernel
-def _round_pack_rows(words2d, x3d, split, column, base_first, base_second, mult_first, mult_second, key_first,
-                     key_second, levels: int, offset: int, mask: int, width: int) -> torch.Tensor:
-    """Field j of every word from rows x3d[j] (per-row tables viewed (per_word, rows)): the rounding and
-    the packing in one pass, no code stored in between. int64 words are built as two int32 halves: AVX2
-    has no int64 conversions, and per-field int64 maths ran 3-6x slower."""
-    low = high = None
+def _round_pack_rows(half2d, x3d, split, column, base_first, base_second, mult_first, mult_second, key_first,
+                     key_second, levels: int, offset: int, mask: int, width: int, shift: int) -> torch.Tensor:
+    """32 bits of every word: fields from rows x3d[j] (per-row tables viewed (fields, rows)), field j
+    shifted left by shift + width * j (right where negative: the high half's first field may straddle
+    bit 32); the rounding and the packing in one pass, no code stored in between, bits past 31 drop out.
+    int64 words are two such halves, each its own call, joined by `_join_halves`: AVX2 has no int64
+    conversions, per-field int64 maths ran 3-6x slower, and both halves in one kernel made inductor
+    store every field and read it back (4.0 against 1.0 ms per million elements at 64M, 1 thread)."""
+    out = None
     for j in range(x3d.shape[0]):
         second = column >= split[j][:, None]
         codes = _round(x3d[j], _pick(second, base_first[j], base_second[j]) + column.to(torch.int32),
                        _pick(second, mult_first[j], mult_second[j]), _pick(second, key_first[j], key_second[j]),
                        levels).to(torch.int32)
-        value, shift = (codes + offset) & mask, width * j  # 0 <= value < 2**width
-        if shift < 32:
-            low = _or(low, value << shift)  # bits past 31 drop out here and go to the high half
-        if shift + width > 32:
-            high = _or(high, value << (shift - 32) if shift >= 32 else value >> (32 - shift))
-    if words2d.dtype == torch.int32:
-        return words2d.copy_(low)
-    return words2d.copy_((high.to(torch.int64) << 32) | (low.to(torch.int64) & 0xFFFFFFFF))
+        value, at = (codes + offset) & mask, shift + width * j  # 0 <= value < 2**width
+        out = _or(out, value << at if at >= 0 else value >> -at)
+    return half2d.copy_(out)
+
+
+@kernel
+def _join_halves(words2d, halves_bits) -> torch.Tensor:
+    """int64 words from their (low, high) int32 halves, given as float bits (INT_LOADS)."""
+    halves = halves_bits.view(torch.int32)
+    return words2d.copy_((halves[1].to(torch.int64) << 32) | (halves[0].to(torch.int64) & 0xFFFFFFFF))
 
 
 def _or(a, b):
@@ -313,8 +325,16 @@ def round_pack(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_key
         rows = main // ROW
         tables = [t[: per_word * rows].view(per_word, rows) for t in
                   (s.split, s.base_first, s.base_second, *s.per_row(multiplier), *s.per_row(noise_keys))]
-        _round_pack_rows(out[:main].view(rows, ROW), x[: per_word * main].view(per_word, rows, ROW), tables[0],
-                         s.column, *tables[1:], levels, layout.offset, layout.mask, layout.width)
+        words, x3d, width = out[:main].view(rows, ROW), x[: per_word * main].view(per_word, rows, ROW), layout.width
+        # (target, fields, shift): every field of an int32 word; the fields in each half of an int64 word
+        halves = [(words, slice(None), 0)] if layout.dtype == torch.int32 else \
+            [(layout.halves(s)[0], slice(0, -(-32 // width)), 0), (layout.halves(s)[1], slice(32 // width, None),
+                                                                   width * (32 // width) - 32)]
+        for target, fields, shift in halves:
+            _round_pack_rows(target, x3d[fields], tables[0][fields], s.column, *(t[fields] for t in tables[1:]),
+                             levels, layout.offset, layout.mask, width, shift)
+        if layout.dtype == torch.int64:
+            _join_halves(words, layout.halves(s).view(torch.float32))
     out[main:] = sum(layout.offset << (layout.width * j) for j in range(per_word))  # every field holds code 0
     index, word, shift, seg = layout.side(s)
     if index.numel():  # their fields hold code 0 (multiplier 0 in fix rows): add the difference
