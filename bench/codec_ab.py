@@ -1,4 +1,4 @@
-"""Codec cost, before and after a change: fresh processes alternating base and head (A B A B ...).
+"""Codec cost, before and after a change: fresh processes alternating base and head (A B B A ...).
 
 Why: a codec's cost moves 2x between processes on a shared machine (allocator state, caches), so a
 change is judged per pair of neighbouring processes, never against a number from another run.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from provenance import git_commit
+from provenance import git_commit, wait_for_quiet
 
 HEAD = Path(__file__).resolve().parent.parent
 
@@ -71,10 +71,11 @@ def main() -> None:
 
     flags = ["--measure", "--numel", str(args.numel), "--world-size", str(args.world_size),
              "--parameters", str(args.parameters), "--codecs", *args.codecs]
-    load = [os.getloadavg()[0]]
+    load = [wait_for_quiet()]
     runs = {"base": [], "head": []}
-    for _ in range(args.rounds):
-        for side, root in (("base", args.base), ("head", HEAD)):
+    for round_ in range(args.rounds):
+        sides = (("base", args.base), ("head", HEAD))
+        for side, root in sides if round_ % 2 == 0 else sides[::-1]:  # A B B A: neither side always goes first
             env = {**os.environ, "PYTHONPATH": str(Path(root) / "src")}
             done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True, check=True)
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -83,10 +84,11 @@ def main() -> None:
     def spread(values):
         return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
-    lines = ["# Codec cost before and after a change, processes alternating (A B A B)", "",
+    lines = ["# Codec cost before and after a change, processes alternating (A B B A ...)", "",
              f"Machine: {os.cpu_count()} cores, 1 torch thread; load average {load[0]:.2f} before, {load[1]:.2f} after "
              f"(1 min). Base: {git_commit(args.base)}; head: {git_commit()}. {args.numel:,} elements, "
-             f"{args.parameters} equal parameters, {args.world_size} workers, {args.rounds} rounds.",
+             f"{args.parameters} equal parameters, {args.world_size} workers, {args.rounds} rounds "
+             "(base first in even rounds, head first in odd ones).",
              f"Command: `python bench/codec_ab.py --base <checkout of base> --codecs {' '.join(map(repr, args.codecs))} "
              f"--numel {args.numel} --world-size {args.world_size} --rounds {args.rounds}`.", "",
              "| codec | base ms/M | head ms/M | speed-up per pair, median (min-max) |", "|---|---|---|---|"]
