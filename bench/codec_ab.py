@@ -7,7 +7,7 @@ change is judged per pair of neighbouring processes, never against a number from
     python bench/codec_ab.py --base /tmp/base --codecs "gqsgd(bits=8,encoding=packed)" "gqsgd-exp(bits=8)"
 
 Codecs are named as bench/codecs.py's table names them (netgain.comm.codecs.SETTINGS; default: all).
-Each process: 1 torch thread, one untimed call (the compile), then `time_codec` (median of 5) of each
+Each process: 1 torch thread, `time_codec` (one untimed call, the compile, then the median of 5) of each
 codec on a bucket of --parameters equal parameters. Writes OUT.md: encode + decode ms per million
 elements, median (min-max) over rounds, and the speed-up per pair.
 """
@@ -34,8 +34,7 @@ def measure(args) -> None:
     out = {}
     for name, codec in settings().items():
         if name in args.codecs:
-            time_codec(codec, args.numel, args.world_size, repeats=1, parameters=args.parameters)
-            t = time_codec(codec, args.numel, args.world_size, repeats=5, parameters=args.parameters)
+            t = time_codec(codec, args.numel, args.world_size, repeats=5, parameters=args.parameters)  # untimed 1st call
             out[name] = (t["encode_s"] + t["decode_s"]) * 1e9 / args.numel  # ms per million
     print(json.dumps(out))
 

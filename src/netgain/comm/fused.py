@@ -326,15 +326,17 @@ def round_pack(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_key
         tables = [t[: per_word * rows].view(per_word, rows) for t in
                   (s.split, s.base_first, s.base_second, *s.per_row(multiplier), *s.per_row(noise_keys))]
         words, x3d, width = out[:main].view(rows, ROW), x[: per_word * main].view(per_word, rows, ROW), layout.width
-        # (target, fields, shift): every field of an int32 word; the fields in each half of an int64 word
-        halves = [(words, slice(None), 0)] if layout.dtype == torch.int32 else \
-            [(layout.halves(s)[0], slice(0, -(-32 // width)), 0), (layout.halves(s)[1], slice(32 // width, None),
-                                                                   width * (32 // width) - 32)]
-        for target, fields, shift in halves:
+        if layout.dtype == torch.int32:  # (target, its fields, their shift): every field of the word
+            parts = [(words, slice(None), 0)]
+        else:  # the fields below bit 32, and those reaching past it (the straddling one in both)
+            halves = layout.halves(s)
+            parts = [(halves[0], slice(0, -(-32 // width)), 0),
+                     (halves[1], slice(32 // width, None), width * (32 // width) - 32)]
+        for target, fields, shift in parts:
             _round_pack_rows(target, x3d[fields], tables[0][fields], s.column, *(t[fields] for t in tables[1:]),
                              levels, layout.offset, layout.mask, width, shift)
         if layout.dtype == torch.int64:
-            _join_halves(words, layout.halves(s).view(torch.float32))
+            _join_halves(words, halves.view(torch.float32))
     out[main:] = sum(layout.offset << (layout.width * j) for j in range(per_word))  # every field holds code 0
     index, word, shift, seg = layout.side(s)
     if index.numel():  # their fields hold code 0 (multiplier 0 in fix rows): add the difference
