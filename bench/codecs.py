@@ -4,7 +4,8 @@ to a plain fp32 -> fp16 cast of the same tensor measured in the same run, and wi
 Encode includes the per-parameter max |g| the header needs. Each (codec, size, threads) is timed
 after one untimed call; that first call's extra time is the compile (torch.compile, when a compiler
 is present; NETGAIN_COMPILE=0 times the eager path). A second process then repeats the first calls
-to show what compiling costs once the cache is warm.
+at the first size and the last thread count, as a restarted job would, to show what compiling
+costs once the cache is warm.
 
     python bench/codecs.py [--numel 4194304 67108864] [--world-size 2] [--threads 1 2] [--repeats 5]
 
@@ -62,7 +63,7 @@ def main():
     args = parser.parse_args()
     if args.first_calls:
         torch.set_num_threads(args.threads[0])
-        print(json.dumps(first_calls(1 << 16, args.world_size[0], args.parameters)))
+        print(json.dumps(first_calls(args.numel[0], args.world_size[0], args.parameters)))
         return
 
     load = os.getloadavg()[0]
@@ -91,7 +92,7 @@ def main():
                                  "first_call_extra_s": round(max(first, 0.0), 2),
                                  "unbiased": codec.unbiased})
                     print(rows[-1], flush=True)
-    second = subprocess.run([sys.executable, __file__, "--first-calls", "--world-size", str(args.world_size[0]),
+    second = subprocess.run([sys.executable, __file__, "--first-calls", "--numel", str(args.numel[0]), "--world-size", str(args.world_size[0]),
                              "--parameters", str(args.parameters), "--threads", str(args.threads[-1])], capture_output=True, text=True, check=True)
     warm = json.loads(second.stdout.strip().splitlines()[-1])
 
@@ -118,8 +119,8 @@ def main():
     lines += [f"| {r['codec']} | {r['numel']:,} | {r['threads']} | {r['world_size']} | {r['wire_bits']} | "
               f"{r['encode_ms_per_M']} | {r['decode_ms_per_M']} | {r['cast_ms_per_M']} | {r['x_fp16_cast']} | "
               f"{r['cast_into_ms_per_M']} | {r['x_cast_into']} | {r['first_call_extra_s']} | {'yes' if r['unbiased'] else 'no'} |" for r in rows]
-    lines += ["", f"A second process at {args.threads[-1]} threads, compile cache warm (first encode + decode of a 65,536-element bucket, "
-              f"seconds, compile included): " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items()) + "."]
+    lines += ["", f"A second process, as a restarted job (the first size, {args.numel[0]:,} elements, at {args.threads[-1]} "
+              "threads; compile cache warm): seconds of each codec's first encode + decode, compile included: " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items()) + "."]
     (args.out / "codecs.md").write_text("\n".join(lines) + "\n")
     print((args.out / "codecs.md").read_text())
 

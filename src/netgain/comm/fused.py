@@ -37,6 +37,11 @@ ROW = 1024  # elements per row of a bucket's segment table (Segments)
 # 2 workers, 1 thread, two A B A B runs (bench/results/codec_ab_realize.md and its previous version): packed
 # int64 words 1.20x and 1.28x faster, gqsgd-exp 1.38x and 1.16x; int8 gqsgd 0.92x and 1.08x (no effect shown).
 COMPILE_OPTIONS = {"realize_reads_threshold": 64}
+# A kernel that packs fields computes every field's codes as one expression over (fields, rows, ROW) and
+# ORs its slices together: dynamo traces the rounding once, not once per field (warm compile of an 11-field
+# half, 16M elements: 3.5-4.7 -> 1.8 s). Inductor would store that expression (more than 50 ops, several
+# users) and read each field back (3.5 against 1.0 ms per million); never realizing keeps the one pass.
+PACK_OPTIONS = {**COMPILE_OPTIONS, "realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
 
 
@@ -56,8 +61,11 @@ def compile_enabled(device: torch.device) -> bool:
     return device.type == "cpu" and any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang"))
 
 
-def kernel(fn):
-    """fn compiled (dynamic shapes: one compile serves every bucket size) or eager, chosen per device."""
+def kernel(fn=None, *, options=COMPILE_OPTIONS):
+    """fn compiled (dynamic shapes: one compile serves every bucket size) or eager, chosen per device;
+    ``options``: inductor's, for this kernel (``@kernel(options=...)``)."""
+    if fn is None:
+        return functools.partial(kernel, options=options)
     compiled = None
 
     @functools.wraps(fn)
@@ -66,7 +74,7 @@ def kernel(fn):
         if not compile_enabled(args[0].device):
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS)
+            compiled = torch.compile(fn, dynamic=True, options=options)
         return compiled(*args, **kwargs)
 
     run.eager = fn
@@ -192,7 +200,15 @@ def _row_absmax(x2d, split, column) -> torch.Tensor:
 
 def _pick(second, first_values, second_values):
     """Each element's value from its row's (first, second) pair: one broadcast per row, no gather."""
-    return torch.where(second, second_values[:, None], first_values[:, None])
+    return torch.where(second, second_values[..., None], first_values[..., None])
+
+
+def _row_codes(x, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
+               levels: int):
+    """`_round` of rows x (..., ROW) whose per-parameter values come from per-row tables (...)."""
+    second = column >= split[..., None]  # the element lies in the row's second parameter
+    return _round(x, _pick(second, base_first, base_second) + column.to(torch.int32),
+                  _pick(second, mult_first, mult_second), _pick(second, key_first, key_second), levels)
 
 
 def _round(x, inside, multiplier, key, levels: int):
@@ -207,9 +223,8 @@ def _round(x, inside, multiplier, key, levels: int):
 @kernel
 def _round_rows(out2d, x2d, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
                 levels: int) -> torch.Tensor:
-    second = column >= split[:, None]  # the element lies in the row's second parameter
-    return out2d.copy_(_round(x2d, _pick(second, base_first, base_second) + column.to(torch.int32),
-                              _pick(second, mult_first, mult_second), _pick(second, key_first, key_second), levels))
+    return out2d.copy_(_row_codes(x2d, split, column, base_first, base_second, mult_first, mult_second, key_first,
+                                  key_second, levels))
 
 
 @kernel
@@ -285,7 +300,7 @@ class Words:
         return s.cache[key]
 
 
-@kernel
+@kernel(options=PACK_OPTIONS)
 def _round_pack_rows(half2d, x3d, split, column, base_first, base_second, mult_first, mult_second, key_first,
                      key_second, levels: int, offset: int, mask: int, width: int, shift: int) -> torch.Tensor:
     """32 bits of every word: fields from rows x3d[j] (per-row tables viewed (fields, rows)), field j
@@ -294,14 +309,12 @@ def _round_pack_rows(half2d, x3d, split, column, base_first, base_second, mult_f
     int64 words are two such halves, each its own call, joined by `_join_halves`: AVX2 has no int64
     conversions, per-field int64 maths ran 3-6x slower, and both halves in one kernel made inductor
     store every field and read it back (4.0 against 1.0 ms per million elements at 64M, 1 thread)."""
-    out = None
-    for j in range(x3d.shape[0]):
-        second = column >= split[j][:, None]
-        codes = _round(x3d[j], _pick(second, base_first[j], base_second[j]) + column.to(torch.int32),
-                       _pick(second, mult_first[j], mult_second[j]), _pick(second, key_first[j], key_second[j]),
+    codes = _row_codes(x3d, split, column, base_first, base_second, mult_first, mult_second, key_first, key_second,
                        levels).to(torch.int32)
-        value, at = (codes + offset) & mask, shift + width * j  # 0 <= value < 2**width
-        out = _or(out, value << at if at >= 0 else value >> -at)
+    values, out = (codes + offset) & mask, None  # 0 <= value < 2**width
+    for j in range(x3d.shape[0]):
+        at = shift + width * j
+        out = _or(out, values[j] << at if at >= 0 else values[j] >> -at)
     return half2d.copy_(out)
 
 
