@@ -111,6 +111,10 @@ class Codec:
         """This rank's part of the header: max |g| per parameter (NaN/Inf propagate), agreed by MAX."""
         return ctx.segments.absmax(x)
 
+    def scale_params(self, ctx: Context) -> torch.Tensor | None:
+        """The parameter of each of `local_scales`' entries (None: one entry per parameter, in order)."""
+        return None
+
     def encode(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         raise NotImplementedError
 
@@ -575,7 +579,8 @@ def bucket_wire_bits(codec: Codec, numel: int, world_size: int, parameters: int 
     profile = codec_profile(codec, world_size, "free")
     sizes = _part_sizes(numel, parameters)
     shapes = [_squarest(size) for size in sizes]
-    return 8 * (network.payload_bytes(numel, profile, parameters, shapes) - profile.header_size(parameters)) / numel
+    messages = network.bucket_messages(numel, profile, parameters, shapes)[1 if codec.needs_header else 0:]
+    return 8 * sum(nbytes for _, nbytes in messages) / numel
 
 
 def _part_sizes(numel: int, parameters: int) -> list[int]:

@@ -243,7 +243,7 @@ class CommState:
         if checked:
             scales, nonfinite = self._header(index, codec, x, ctx, record)
             if nonfinite:
-                self._nonfinite_error(index, layout, scales)  # raises, or we send this bucket uncompressed
+                self._nonfinite_error(index, layout, scales, codec.scale_params(ctx))  # raises, or sends uncompressed
                 codec, uncompressed, record["codec"] = _UNCOMPRESSED, True, "none (non-finite)"
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
             job["verdict"].set_result(None)
@@ -311,12 +311,13 @@ class CommState:
                                     f"(this rank: {codec.describe()})")
         return header[:-3], nonfinite > 0
 
-    def _nonfinite_error(self, index, layout, scales, policy=None) -> None:
+    def _nonfinite_error(self, index, layout, scales, owners=None, policy=None) -> None:
+        """owners: the parameter of each header scale (`Codec.scale_params`; None: one scale per parameter)."""
         if (policy or self.config.nonfinite) != "raise":
             return
         if scales is not None:
-            bad = torch.isinf(scales).nonzero().flatten().tolist()
-            names = [layout.names[i] for i in bad]
+            bad = torch.isinf(scales).nonzero().flatten()
+            names = [layout.names[i] for i in dict.fromkeys((bad if owners is None else owners[bad]).tolist())]
         else:
             names = layout.names
         shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")

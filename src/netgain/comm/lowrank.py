@@ -5,8 +5,8 @@ rank r. One power iteration per step, warm-started from last step's Q:
     P = mean_i(M_i Q)        (round 1: allreduce)      P <- orthonormal columns of P
     Q = mean_i(M_i^T P)      (round 2: allreduce)      result P Q^T, identical on every rank
 and each rank keeps e_i = M_i - P Q^T for its next step. Both rounds are sums, so Global-QSGD can
-quantize the factors against one global scale per factor (P's ride in the hook's header, Q's in
-one small MAX allreduce) and a native integer allreduce adds them up: low rank and 8 bits
+quantize the factors against one global scale per factor column (P's ride in the hook's header, Q's
+in one small MAX allreduce) and a native integer allreduce adds them up: low rank and 8 bits
 together, 3.5x fewer bytes than PowerSGD's fp32 factors at 2 workers (3x at 3-4). Vectors and
 matrices too small to gain (rank r would send more than half of rows x cols) ride in round 1's
 payload through the same factor codec.
@@ -14,6 +14,12 @@ payload through the same factor codec.
 No Python loop over parameters on the hot path: same-shaped matrices whose offsets in the bucket
 step evenly (one per layer, as models lay them out) form one strided view of the bucket, and each
 shape group costs one batched matmul per round.
+
+Factors are kept transposed, P^T (r x rows) and Q^T (r x cols) per matrix, so each column of a
+factor is a run of its own: one Global-QSGD scale per column. Columns differ in size by the
+singular values, and P's are each scaled to unit length by the orthonormalisation, so one scale
+per matrix would drown the small columns in rounding noise (relative error of P Q^T 2.4x larger
+in a synthetic 768 x 192, r = 4, 3-worker test; bench/results/lowrank_columns.md).
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ class _Group:
     count: int
     first: int          # offset of the first matrix in the bucket
     stride: int         # offset step between matrices
-    p_index: torch.Tensor  # where their P factors lie in round 1's payload (count * rows * rank)
-    q_index: torch.Tensor  # where their Q factors lie in round 2's payload and in the warm start
+    p_index: torch.Tensor  # where their P^T (count, rank, rows) lie in round 1's payload
+    q_index: torch.Tensor  # where their Q^T (count, rank, cols) lie in round 2's payload and in the warm start
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.as_strided((self.count, self.rows, self.cols), (self.stride, self.cols, 1),
@@ -126,6 +132,10 @@ class LowRank(Codec):
         self._project(x, ctx)
         return ctx.tables[self.describe()]["p_segments"].absmax(ctx.carry["p"])
 
+    def scale_params(self, ctx):
+        """The header holds one scale per column of P: a compressed matrix owns rank of them."""
+        return ctx.tables[self.describe()]["p_params"]
+
     def _project(self, x, ctx) -> None:
         """Round 1's local part: M = grad + e (in the bucket, or in an fp32 buffer for a 16-bit bucket, so
         the residual keeps its low bits), P = M Q per group; no state is written."""
@@ -134,8 +144,8 @@ class LowRank(Codec):
         torch.add(x, ctx.feedback.local, out=m)
         p = ctx.buffer("lowrank P", t["p_segments"].numel, torch.float32, x.device)
         for g in t["groups"]:
-            warm = ctx.feedback.shared[g.q_index].view(g.count, g.cols, self.rank)
-            p[g.p_index] = _times(g.view(m), warm).reshape(-1)
+            warm_t = ctx.feedback.shared[g.q_index].view(g.count, self.rank, g.cols)
+            p[g.p_index] = _times_t(g.view(m), warm_t).reshape(-1)
         p[t["dense_to"]] = m[t["dense_from"]]
         ctx.carry.update(m=m, p=p, p_ctx=self._factor_context(ctx, t, "p"))
 
@@ -156,8 +166,8 @@ class LowRank(Codec):
                 q = ctx.buffer("lowrank Q", t["q_segments"].numel, torch.float32, aggregated.device)
                 orthonormal = []
                 for g in t["groups"]:
-                    basis = torch.linalg.qr(p[g.p_index].view(g.count, g.rows, self.rank)).Q
-                    q[g.q_index] = _times(g.view(carry["m"]).transpose(1, 2), basis).reshape(-1)
+                    basis = torch.linalg.qr(p[g.p_index].view(g.count, self.rank, g.rows).transpose(1, 2)).Q
+                    q[g.q_index] = _times_t(g.view(carry["m"]).transpose(1, 2), basis.transpose(1, 2)).reshape(-1)
                     orthonormal.append(basis)
             carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
             if self.factor_codec.needs_scales:
@@ -175,7 +185,7 @@ class LowRank(Codec):
         with ctx.timed("decode_s"):
             dense = carry["p"][t["dense_to"]]  # P's buffer holds the dense parameters' mean
             for g, basis in zip(t["groups"], carry["basis"]):
-                q_t = q[g.q_index].view(g.count, g.cols, self.rank).transpose(1, 2)
+                q_t = q[g.q_index].view(g.count, self.rank, g.cols)
                 # e = M - P Q^T first (M may be the bucket itself), then P Q^T straight into the bucket:
                 # no approximation buffer to write, read back and copy (1.2 + 1.0 against 1.0 + 0.5 + 0.5 ms/M)
                 torch.baddbmm(g.view(carry["m"]), basis, q_t, alpha=-1, out=g.view(memory.local))
@@ -195,8 +205,10 @@ class LowRank(Codec):
         compressed = [bool(rows) and self.compresses(rows, cols) for rows, cols in shapes]
         p_sizes = [rows * r if c else numel for (rows, _), (_, numel), c in zip(shapes, layout.spans, compressed)]
         p_starts = list(itertools.accumulate([0] + p_sizes[:-1]))
+        p_columns = [(i, j, rows if c else numel) for i, ((rows, _), (_, numel), c)
+                     in enumerate(zip(shapes, layout.spans, compressed)) for j in range(r if c else 1)]
+        q_columns = [(i, j, cols) for i, ((_, cols), c) in enumerate(zip(shapes, compressed)) if c for j in range(r)]
         warm = self._warm_spans(shapes)
-        q_sizes = [size for (_, size), c in zip(warm, compressed) if c]
         q_starts = {i: at for i, (at, _) in enumerate(warm)}
         families = defaultdict(list)  # same shape and name up to layer numbers: evenly spaced, usually
         for i, c in enumerate(compressed):
@@ -214,26 +226,33 @@ class LowRank(Codec):
         return {"groups": groups,
                 "dense_from": _ranges([layout.spans[i][0] for i in dense], [layout.spans[i][1] for i in dense], device),
                 "dense_to": _ranges([p_starts[i] for i in dense], [layout.spans[i][1] for i in dense], device),
-                "p_segments": Segments.build(p_sizes, keys, device),
-                "q_segments": Segments.build(q_sizes, [k for k, c in zip(keys, compressed) if c], device) if groups else None,
-                "q_params": torch.tensor([i for i, c in enumerate(compressed) if c], dtype=torch.long, device=device)}
+                **_column_segments("p", p_columns, keys, device),
+                **(_column_segments("q", q_columns, keys, device) if groups else {"q_segments": None})}
 
     def _factor_context(self, ctx: Context, t: dict, factor: str) -> Context:
-        """The factor codec's view of one round: its own segments, noise keys and buffers."""
-        if factor == "p":
-            segments, keys = t["p_segments"], ctx.noise_keys ^ _P_SALT
-        else:
-            segments, keys = t["q_segments"], ctx.noise_keys[t["q_params"]] ^ _Q_SALT
+        """The factor codec's view of one round: its own segments (one per column), noise keys and buffers."""
+        segments, keys = t[f"{factor}_segments"], ctx.noise_keys[t[f"{factor}_params"]] ^ t[f"{factor}_salts"]
         return Context(ctx.world_size, segments, fused.hash32(keys), keys,
                        tables=ctx.table(("lowrank factor tables", factor), dict), seconds=ctx.seconds,
                        synchronize=ctx.synchronize)
 
 
-def _times(m: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """m @ factor for a batch of matrices m and thin factors (r columns), computed as (factor^T m^T)^T:
-    BLAS runs the wide product at memory speed, the tall-thin one 2-9x slower (16 x 1024 x 1024, r = 4,
-    1 thread, ms per million elements of m: M Q 1.37 -> 0.55, M^T P 5.4 -> 0.61)."""
-    return torch.bmm(factor.transpose(1, 2), m.transpose(1, 2)).transpose(1, 2)
+def _times_t(m: torch.Tensor, factor_t: torch.Tensor) -> torch.Tensor:
+    """(m @ factor)^T for a batch of matrices m and thin factors (r columns) given transposed, computed as
+    factor^T m^T: BLAS runs this wide product at memory speed, the tall-thin m @ factor 2-9x slower
+    (16 x 1024 x 1024, r = 4, 1 thread, ms per million elements of m: M Q 1.37 -> 0.55, M^T P 5.4 -> 0.61)."""
+    return torch.bmm(factor_t, m.transpose(1, 2))
+
+
+def _column_segments(factor: str, columns: list[tuple[int, int, int]], keys: list[int], device) -> dict:
+    """A factor's segments, one per (parameter, column, size) in payload order; each column's noise
+    is keyed by its parameter's step key (``{factor}_params``) xor a salt of (factor, column)."""
+    salt = _P_SALT if factor == "p" else _Q_SALT
+    return {f"{factor}_segments": Segments.build([size for _, _, size in columns],
+                                                 [keys[i] for i, _, _ in columns], device),
+            f"{factor}_params": torch.tensor([i for i, _, _ in columns], dtype=torch.long, device=device),
+            f"{factor}_salts": fused.hash32(torch.tensor([salt ^ (j << 16) for _, j, _ in columns], dtype=torch.int32,
+                                                         device=device))}
 
 
 def _matrices(layout) -> list[tuple[int, int]]:

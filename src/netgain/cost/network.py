@@ -287,8 +287,9 @@ class CodecProfile:
     global scales), 0 for none; per-element seconds of encode, decode and of one combine of two
     whole payloads (ring only). rank > 0: low rank (PowerSGD), whose payload depends on the
     parameters' shapes: each matrix it compresses sends rows x rank then cols x rank factor
-    elements of `wire_bits` each, in two allreduces (see low_rank_messages); factor_scales: a MAX
-    allreduce of one float per compressed matrix between them (Global-QSGD factors).
+    elements of `wire_bits` each, in two allreduces (see low_rank_messages); factor_scales: Global-QSGD
+    factors, one scale per factor column: P's in the header (rank per compressed matrix, one per other
+    parameter), Q's in a MAX allreduce of rank floats per compressed matrix between the rounds.
     """
 
     name: str
@@ -370,6 +371,11 @@ def as_matrix(shape: Sequence[float]) -> tuple[float, float]:
     return (shape[0], math.prod(shape[1:]))
 
 
+def low_rank_matrices(shapes: Sequence[Sequence[int]], rank: int) -> int:
+    """How many of these parameters a rank-`rank` codec compresses."""
+    return sum(1 for shape in shapes if (m := as_matrix(shape))[0] and low_rank_compresses(*m, rank))
+
+
 def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile) -> list[float]:
     """Payload bytes of a low-rank codec's rounds for one bucket of parameters with these shapes:
     P (every compressed matrix's rows x rank, and every other parameter whole), [Q's scales,] Q."""
@@ -382,7 +388,7 @@ def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile) -> l
             p += math.prod(shape)
     if not matrices:
         return [p * codec.wire_bits / 8]
-    scales = [4 * matrices] if codec.factor_scales else []
+    scales = [4 * matrices * codec.rank] if codec.factor_scales else []
     return [p * codec.wire_bits / 8, *scales, q * codec.wire_bits / 8]
 
 
@@ -398,12 +404,13 @@ def bucket_messages(numel: int, codec: CodecProfile, tensors: int = 1,
 
     shapes: the bucket's parameter shapes, which size a low-rank codec's factors (square_shapes
     if not given)."""
-    out = []
-    header = codec.header_size(tensors)
+    out, shapes = [], (shapes or square_shapes(numel, tensors)) if codec.rank else None
+    columns = (codec.rank - 1) * low_rank_matrices(shapes, codec.rank) if codec.factor_scales else 0
+    header = codec.header_size(tensors + columns)  # Global-QSGD factors: one scale per column of P
     if header:
         out.append(("allreduce", header))
     if codec.rank:
-        out += [("allreduce", nbytes) for nbytes in low_rank_messages(shapes or square_shapes(numel, tensors), codec)]
+        out += [("allreduce", nbytes) for nbytes in low_rank_messages(shapes, codec)]
     else:
         out.append((codec.collective, numel * codec.wire_bits / 8))
     return out
