@@ -25,7 +25,7 @@ import torch
 
 from netgain.comm import fused
 from netgain.comm.codecs import SETTINGS as VARIANTS, bucket_wire_bits, make_codec, time_codec
-from provenance import git_commit, write_csv
+from provenance import git_commit, wait_for_quiet, write_csv
 
 
 def cast_seconds(numel: int, repeats: int, into_buffer: bool) -> float:
@@ -66,7 +66,7 @@ def main():
         print(json.dumps(first_calls(args.numel[0], args.world_size[0], args.parameters)))
         return
 
-    load = os.getloadavg()[0]
+    load = wait_for_quiet()
     compiled = fused.compile_enabled(torch.device("cpu"))
     rows = []
     for threads in args.threads:
@@ -105,7 +105,7 @@ def main():
         "# Codec cost per million elements",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"commit {git_commit()}; load average {load:.2f} at the start; command: `{command}`.",
+        f"commit {git_commit()}; load average {load:.2f} at the start (after waiting for it to fall below 1); command: `{command}`.",
         f"Path: {'compiled (torch.compile, C++)' if compiled else 'eager'}. Buckets of {args.parameters} equal "
         "parameters; encode includes the per-parameter max |g| of the header. Baselines, same run and thread count: "
         "the fp32 -> fp16 cast `x.to(torch.float16)` of the same size (`cast ms/M`, as earlier runs of this bench; "

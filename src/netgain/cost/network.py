@@ -371,25 +371,25 @@ def as_matrix(shape: Sequence[float]) -> tuple[float, float]:
     return (shape[0], math.prod(shape[1:]))
 
 
-def low_rank_matrices(shapes: Sequence[Sequence[int]], rank: int) -> int:
-    """How many of these parameters a rank-`rank` codec compresses."""
-    return sum(1 for shape in shapes if (m := as_matrix(shape))[0] and low_rank_compresses(*m, rank))
-
-
-def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile) -> list[float]:
-    """Payload bytes of a low-rank codec's rounds for one bucket of parameters with these shapes:
-    P (every compressed matrix's rows x rank, and every other parameter whole), [Q's scales,] Q."""
-    p = q = matrices = 0.0
+def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile, tensors: int) -> list[tuple[str, float]]:
+    """A low-rank codec's collectives for one bucket of `tensors` parameters with these shapes: the header
+    (Global-QSGD factors: one scale per column of P, so rank per compressed matrix and one per other
+    parameter), P (every compressed matrix's rows x rank, every other parameter whole), [Q's column
+    scales,] Q."""
+    p, q, matrices = 0.0, 0.0, 0
     for shape in shapes:
         rows, cols = as_matrix(shape)
         if rows and low_rank_compresses(rows, cols, codec.rank):
             p, q, matrices = p + rows * codec.rank, q + cols * codec.rank, matrices + 1
         else:
             p += math.prod(shape)
+    columns = (codec.rank - 1) * matrices if codec.factor_scales else 0
+    header = codec.header_size(tensors + columns)
+    out = [("allreduce", header)] if header else []
     if not matrices:
-        return [p * codec.wire_bits / 8]
+        return out + [("allreduce", p * codec.wire_bits / 8)]
     scales = [4 * matrices * codec.rank] if codec.factor_scales else []
-    return [p * codec.wire_bits / 8, *scales, q * codec.wire_bits / 8]
+    return out + [("allreduce", nbytes) for nbytes in (p * codec.wire_bits / 8, *scales, q * codec.wire_bits / 8)]
 
 
 def square_shapes(numel: float, tensors: int) -> list[tuple[float, float]]:
@@ -404,16 +404,10 @@ def bucket_messages(numel: int, codec: CodecProfile, tensors: int = 1,
 
     shapes: the bucket's parameter shapes, which size a low-rank codec's factors (square_shapes
     if not given)."""
-    out, shapes = [], (shapes or square_shapes(numel, tensors)) if codec.rank else None
-    columns = (codec.rank - 1) * low_rank_matrices(shapes, codec.rank) if codec.factor_scales else 0
-    header = codec.header_size(tensors + columns)  # Global-QSGD factors: one scale per column of P
-    if header:
-        out.append(("allreduce", header))
     if codec.rank:
-        out += [("allreduce", nbytes) for nbytes in low_rank_messages(shapes, codec)]
-    else:
-        out.append((codec.collective, numel * codec.wire_bits / 8))
-    return out
+        return low_rank_messages(shapes or square_shapes(numel, tensors), codec, tensors)
+    header = codec.header_size(tensors)
+    return ([("allreduce", header)] if header else []) + [(codec.collective, numel * codec.wire_bits / 8)]
 
 
 def bucket_collectives(numel: int, world_size: int, link: Link, codec: CodecProfile,
