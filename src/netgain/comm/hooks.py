@@ -266,8 +266,7 @@ class CommState:
                 # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
                 # before the codec writes its state (low rank's residual and warm start)
                 self._nonfinite_error(index, layout, None, policy="raise")
-            payload, op = codec.relay(aggregated, ctx)
-            sent = communicator.start("allreduce", payload, record, op=op)
+            sent = communicator.start("allreduce", codec.relay(aggregated, ctx), record)
         pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 
         def finish(_):
