@@ -362,13 +362,15 @@ class Train:
             time.sleep(0.05)
 
     def workers(self) -> list[int]:
-        """The parent's spawned children (not multiprocessing's resource tracker); [] once it is gone."""
-        pid = self.proc.pid
-        try:
-            children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        except FileNotFoundError:
-            return []
-        return [c for c in children if _cmdline(c).find(b"spawn_main") >= 0]
+        """The workers (`train.worker_start_method`): the forks of the parent's forkserver, or its spawned
+        children (not multiprocessing's resource tracker); [] once the parent is gone."""
+        workers = []
+        for child in _children(self.proc.pid):
+            if b"forkserver" in _cmdline(child):
+                workers += _children(child)
+            elif b"spawn_main" in _cmdline(child):
+                workers.append(child)
+        return workers
 
     def finish(self, timeout: float) -> int:
         code = self.proc.wait(timeout)
@@ -390,6 +392,13 @@ def start_train():
     yield lambda *argv: runs.append(Train(*argv)) or runs[-1]
     for run in runs:
         run.kill()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
 def _cmdline(pid: int) -> bytes:

@@ -1,6 +1,8 @@
 """`netgain train` end to end: spawned gloo workers, records, checkpoint/resume exactness."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,13 +26,17 @@ def test_digits_converges(tmp_path):
     assert result["final_val_accuracy"] > 0.93
 
 
-def test_lm_writes_record_and_loss_curve(tmp_path, capfd):
-    """The default codec is gqsgd 8-bit packed; the summary states its bytes and fp32's predicted step."""
+def test_lm_writes_record_and_loss_curve(tmp_path):
+    """The default codec is gqsgd 8-bit packed; the summary states its bytes and fp32's predicted step.
+    Run as a user runs it, a command of its own, so its stdout is the one its workers print to (the
+    workers of an in-process run print wherever stdout was when its forkserver started)."""
     text = tmp_path / "corpus.txt"
     text.write_text("def add(a, b):\n    return a + b\n" * 200)
     out = tmp_path / "run"
-    assert run_train("--data", str(text), "--hidden-size", "64", "--layers", "1", "--seq-len", "32",
-                     "--batch-size", "4", "--steps", "3", "--eval-every", "2", "--out", str(out)) == 0
+    command = subprocess.run([sys.executable, "-m", "netgain.cli", "train", "--data", str(text), "--hidden-size", "64",
+                              "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
+                              "--eval-every", "2", "--out", str(out)], capture_output=True, text=True)
+    assert command.returncode == 0, command.stderr
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["task"] == "lm"
     assert (record["config"]["codec"], record["config"]["bits"], record["config"]["encoding"]) == ("gqsgd", 8, "packed")
@@ -43,7 +49,7 @@ def test_lm_writes_record_and_loss_curve(tmp_path, capfd):
     wire, step = result["versus_fp32"]
     assert wire.startswith("wire ") and wire.endswith(" MB fp32: 3.5x fewer")
     assert "s predicted on this link" in step
-    assert f"{wire}\n{step}\n" in capfd.readouterr().out  # rank 0, a spawned process, prints it
+    assert f"{wire}\n{step}\n" in command.stdout  # rank 0, a worker process, prints it
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
