@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import fused
@@ -121,8 +122,8 @@ class Codec:
         """Collectives per bucket after the header; more than one: `relay` makes each next payload."""
         return 1
 
-    def relay(self, aggregated: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """Multi-round codecs: the next round's payload (an allreduce SUM) from the last round's result."""
+    def relay(self, aggregated: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, "dist.ReduceOp"]:
+        """Multi-round codecs: the next round's payload and its allreduce op, from the last round's result."""
         raise NotImplementedError
 
     def decode(self, aggregated: torch.Tensor, out: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -553,9 +554,9 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
             if cuda:
                 torch.cuda.synchronize()
         ctx.seconds["encode_s"] += time.perf_counter() - start
-        payload = codec.encode(bucket, ctx)
-        for _ in range(codec.rounds(ctx) - 1):  # low rank's second round
-            payload = codec.relay(payload * world_size, ctx)
+        payload, op = codec.encode(bucket, ctx), dist.ReduceOp.SUM
+        for _ in range(codec.rounds(ctx) - 1):  # low rank's later rounds (a MAX of n copies is one copy)
+            payload, op = codec.relay(payload if op == dist.ReduceOp.MAX else payload * world_size, ctx)
         if codec.collective == "allreduce":
             aggregated = payload if payload is bucket else payload * world_size
         elif codec.collective == "allgather":

@@ -35,8 +35,8 @@ class Communicator:
             self.observer(collective, payload_bytes, seconds, self.world_size)
 
     def start(self, collective: str, payload: torch.Tensor, record: dict,
-              combine: Callable | None = None) -> torch.futures.Future:
-        """Launch the payload's collective (an allreduce SUMs); the future's value is the aggregated tensor.
+              combine: Callable | None = None, op=dist.ReduceOp.SUM) -> torch.futures.Future:
+        """Launch the payload's collective (``op``: an allreduce's); the future's value is the aggregated tensor.
 
         record["wire_bytes"] and, on completion, record["comm_s"] are filled in.
         """
@@ -49,7 +49,7 @@ class Communicator:
             done.set_result(result)
             work_future, value = done, result
         elif collective == "allreduce":
-            work_future = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
+            work_future = dist.all_reduce(payload, op=op, group=self.group, async_op=True).get_future()
             value = payload
         else:
             gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)

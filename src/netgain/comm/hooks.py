@@ -266,7 +266,8 @@ class CommState:
                 # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
                 # before the codec writes its state (low rank's residual and warm start)
                 self._nonfinite_error(index, layout, None, policy="raise")
-            sent = communicator.start("allreduce", codec.relay(aggregated, ctx), record)
+            payload, op = codec.relay(aggregated, ctx)
+            sent = communicator.start("allreduce", payload, record, op=op)
         pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
 
         def finish(_):

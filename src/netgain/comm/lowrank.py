@@ -5,8 +5,8 @@ rank r. One power iteration per step, warm-started from last step's Q:
     P = mean_i(M_i Q)        (round 1: allreduce)      P <- orthonormal columns of P
     Q = mean_i(M_i^T P)      (round 2: allreduce)      result P Q^T, identical on every rank
 and each rank keeps e_i = M_i - P Q^T for its next step. Both rounds are sums, so Global-QSGD can
-quantize the factors against one global scale per factor column and a native integer allreduce adds
-them up: low rank and 8 bits
+quantize the factors against one global scale per factor column (P's ride in the hook's header, Q's
+in one small MAX allreduce) and a native integer allreduce adds them up: low rank and 8 bits
 together, 3.5x fewer bytes than PowerSGD's fp32 factors at 2 workers (3x at 3-4). Vectors and
 matrices too small to gain (rank r would send more than half of rows x cols) ride in round 1's
 payload through the same factor codec.
@@ -20,15 +20,10 @@ factor is a run of its own: one Global-QSGD scale per column. Columns differ in 
 singular values, and P's are each scaled to unit length by the orthonormalisation, so one scale
 per matrix would drown the small columns in rounding noise (relative error of P Q^T 2.4x larger
 in a synthetic 768 x 192, r = 4, 3-worker power iteration, 6.9x at 1024 x 1024, r = 8, 4 workers:
-bench/lowrank_columns.py; steps to target: bench/results/lowrank_columns.md).
-
-The scales all ride in the hook's header, so gqsgd factors cost one collective more than fp32 ones,
-not two. P's are exact. Q's columns do not exist before round 1's mean, so the header carries a
-bound: with P's columns of unit length, |Q_i[j, c]| = |M_i[:, j] . p_c| <= ||M_i[:, j]||, so each
-compressed matrix's largest column norm (max over ranks) scales all r of its Q columns. The bound is
-tight for the leading column (1.0-1.1x its max) and looser for the smaller ones (2.6-8.6x): relative
-error of P Q^T 0.0088 -> 0.0113 (768 x 192, r = 4) and 0.0082 -> 0.0127 (1024 x 1024, r = 8) against
-exact column scales, where one scale per matrix gave 0.0196 and 0.0567 (bench/lowrank_columns.py).
+bench/lowrank_columns.py; steps to target: bench/results/lowrank_columns.md). Q's scales need their
+own MAX round: bounding them in the header instead (|Q_i[j, c]| <= ||M_i[:, j]||, as P's columns have
+unit length), one collective fewer, cost 6-19% more steps to target in 3 of 3 seeds
+(bench/results/lowrank_q_bound.md).
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..cost import network
 from . import fused
@@ -61,7 +57,6 @@ class _Group:
     stride: int         # offset step between matrices
     p_index: torch.Tensor  # where their P^T (count, rank, rows) lie in round 1's payload
     q_index: torch.Tensor  # where their Q^T (count, rank, cols) lie in round 2's payload and in the warm start
-    q_columns: torch.Tensor  # (count, rank): their Q columns' places among Q's segments (and header scales)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.as_strided((self.count, self.rows, self.cols), (self.stride, self.cols, 1),
@@ -72,8 +67,8 @@ class LowRank(Codec):
     """PowerSGD-style rank-r compression with error feedback, warm start and orthonormalisation.
 
     factors="fp32": the factors travel as fp32 (PyTorch's powerSGD_hook); "gqsgd": as Global-QSGD
-    ``bits``-bit packed codes against a global scale per factor column, agreed in the hook's header
-    (unbiased rounding). Every rank must compute the same QR and matmuls bit for bit: run ranks on
+    ``bits``-bit packed codes against a global scale per factor (unbiased rounding, one extra small
+    MAX allreduce). Every rank must compute the same QR and matmuls bit for bit: run ranks on
     alike devices and thread counts (as PyTorch's PowerSGD requires). Biased (low rank), error feedback keeps what it drops. Wire bits per element
     of an m x n matrix: factor bits * r (m + n) / (m n); see `wire_bits`.
     """
@@ -105,8 +100,10 @@ class LowRank(Codec):
                 "factor_scales": self.factor_codec.needs_scales}
 
     def rounds(self, ctx: Context) -> int:
-        """Collectives per bucket after the header: P then Q; only P without a matrix to compress."""
-        return 2 if ctx.table(self.describe(), lambda: self._tables(ctx))["groups"] else 1
+        """Collectives per bucket after the header: P, [Q's scales,] Q; only P without a matrix to compress."""
+        if not ctx.table(self.describe(), lambda: self._tables(ctx))["groups"]:
+            return 1
+        return 3 if self.factor_codec.needs_scales else 2
 
     # ---- state: the store calls these once per bucket layout -------------------------------------
     def memory(self, layout, device) -> tuple[LowRankMemory, list[tuple[int, int]]]:
@@ -134,22 +131,14 @@ class LowRank(Codec):
         return self.factor_codec.needs_scales
 
     def local_scales(self, x, ctx):
-        """The header's part: round 1's local work (`_project`), max |P| per column of P and the bound
-        on Q's columns (the module's docstring). (The caller times it as encoding, as it does every
-        codec's header work.)"""
+        """The header's part: round 1's local work (`_project`) and max |P| per parameter.
+        (The caller times it as encoding, as it does every codec's header work.)"""
         self._project(x, ctx)
-        t, m = ctx.tables[self.describe()], ctx.carry["m"]
-        if t["q_segments"] is None:
-            return t["p_segments"].absmax(ctx.carry["p"])
-        q_bound = ctx.buffer("lowrank Q bound", t["q_segments"].count, torch.float32, x.device)
-        for g in t["groups"]:
-            q_bound[g.q_columns] = torch.linalg.vector_norm(g.view(m), dim=1).amax(1, keepdim=True).expand(-1, self.rank)
-        return torch.cat([t["p_segments"].absmax(ctx.carry["p"]), q_bound])
+        return ctx.tables[self.describe()]["p_segments"].absmax(ctx.carry["p"])
 
     def scale_params(self, ctx):
-        """The header holds one scale per column of P, then of Q: a compressed matrix owns 2 rank of them."""
-        t = ctx.tables[self.describe()]
-        return t["p_params"] if t["q_segments"] is None else torch.cat([t["p_params"], t["q_params"]])
+        """The header holds one scale per column of P: a compressed matrix owns rank of them."""
+        return ctx.tables[self.describe()]["p_params"]
 
     def _project(self, x, ctx) -> None:
         """Round 1's local part: M = grad + e (in the bucket, or in an fp32 buffer for a 16-bit bucket, so
@@ -168,26 +157,28 @@ class LowRank(Codec):
         if "p" not in ctx.carry:  # no header ran (fp32 factors)
             with ctx.timed("encode_s"):
                 self._project(x, ctx)
-        p_ctx, p_count = ctx.carry["p_ctx"], ctx.tables[self.describe()]["p_segments"].count
-        if ctx.scales is not None:
-            p_ctx.scales, ctx.carry["q_scales"] = ctx.scales[:p_count], ctx.scales[p_count:]
+        p_ctx = ctx.carry["p_ctx"]
+        p_ctx.scales = ctx.scales
         return self.factor_codec.encode(ctx.carry["p"], p_ctx)
 
-    def relay(self, aggregated: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """Round 2's payload from P's mean: orthonormalise it, Q = M^T P."""
+    def relay(self, aggregated: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dist.ReduceOp]:
+        """The next round's payload from the last round's result (called rounds - 1 times per bucket)."""
         t, carry = ctx.tables[self.describe()], ctx.carry
-        p = self.factor_codec.decode(aggregated, carry["p"], carry["p_ctx"])
-        with ctx.timed("encode_s"):
-            q = ctx.buffer("lowrank Q", t["q_segments"].numel, torch.float32, aggregated.device)
-            orthonormal = []
-            for g in t["groups"]:
-                basis = torch.linalg.qr(p[g.p_index].view(g.count, self.rank, g.rows).transpose(1, 2)).Q
-                q[g.q_index] = _times_t(g.view(carry["m"]).transpose(1, 2), basis.transpose(1, 2)).reshape(-1)
-                orthonormal.append(basis)
-        q_ctx = self._factor_context(ctx, t, "q")
-        q_ctx.scales = carry.get("q_scales")
-        carry.update(q=q, basis=orthonormal, q_ctx=q_ctx)
-        return self.factor_codec.encode(q, q_ctx)
+        if "q" not in carry:  # P's mean is in: orthonormalise it, Q = M^T P
+            p = self.factor_codec.decode(aggregated, carry["p"], carry["p_ctx"])
+            with ctx.timed("encode_s"):
+                q = ctx.buffer("lowrank Q", t["q_segments"].numel, torch.float32, aggregated.device)
+                orthonormal = []
+                for g in t["groups"]:
+                    basis = torch.linalg.qr(p[g.p_index].view(g.count, self.rank, g.rows).transpose(1, 2)).Q
+                    q[g.q_index] = _times_t(g.view(carry["m"]).transpose(1, 2), basis.transpose(1, 2)).reshape(-1)
+                    orthonormal.append(basis)
+            carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
+            if self.factor_codec.needs_scales:
+                return t["q_segments"].absmax(q), dist.ReduceOp.MAX
+        else:  # Q's global scales are in
+            carry["q_ctx"].scales = torch.where(aggregated > 0, aggregated, torch.ones_like(aggregated))
+        return self.factor_codec.encode(carry["q"], carry["q_ctx"]), dist.ReduceOp.SUM
 
     def decode(self, aggregated, out, ctx):
         """Q's mean is in: write P Q^T into the bucket, keep e = M - P Q^T and Q as the next warm start."""
@@ -223,7 +214,6 @@ class LowRank(Codec):
         q_columns = [(i, j, cols) for i, ((_, cols), c) in enumerate(zip(shapes, compressed)) if c for j in range(r)]
         warm = self._warm_spans(shapes)
         q_starts = {i: at for i, (at, _) in enumerate(warm)}
-        q_first = dict(zip([i for i, c in enumerate(compressed) if c], itertools.count(0, r)))  # first Q column
         families = defaultdict(list)  # same shape and name up to layer numbers: evenly spaced, usually
         for i, c in enumerate(compressed):
             if c:
@@ -234,8 +224,7 @@ class LowRank(Codec):
                 offsets = [layout.spans[i][0] for i in run]
                 groups.append(_Group(rows, cols, len(run), offsets[0], offsets[1] - offsets[0] if len(run) > 1 else 0,
                                      _ranges([p_starts[i] for i in run], rows * r, device),
-                                     _ranges([q_starts[i] for i in run], cols * r, device),
-                                     _ranges([q_first[i] for i in run], r, device).view(len(run), r)))
+                                     _ranges([q_starts[i] for i in run], cols * r, device)))
         dense = [i for i, c in enumerate(compressed) if not c]
         keys = s.keys.tolist()
         return {"groups": groups,

@@ -288,8 +288,8 @@ class CodecProfile:
     whole payloads (ring only). rank > 0: low rank (PowerSGD), whose payload depends on the
     parameters' shapes: each matrix it compresses sends rows x rank then cols x rank factor
     elements of `wire_bits` each, in two allreduces (see low_rank_messages); factor_scales: Global-QSGD
-    factors, one scale per factor column, all in the header (2 rank per compressed matrix, one per
-    other parameter).
+    factors, one scale per factor column: P's in the header (rank per compressed matrix, one per other
+    parameter), Q's in a MAX allreduce of rank floats per compressed matrix between the rounds.
     """
 
     name: str
@@ -373,8 +373,9 @@ def as_matrix(shape: Sequence[float]) -> tuple[float, float]:
 
 def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile, tensors: int) -> list[tuple[str, float]]:
     """A low-rank codec's collectives for one bucket of `tensors` parameters with these shapes: the header
-    (Global-QSGD factors: one scale per column of P and of Q, so 2 rank per compressed matrix and one
-    per other parameter), P (every compressed matrix's rows x rank, every other parameter whole), Q."""
+    (Global-QSGD factors: one scale per column of P, so rank per compressed matrix and one per other
+    parameter), P (every compressed matrix's rows x rank, every other parameter whole), [Q's column
+    scales,] Q."""
     p, q, matrices = 0.0, 0.0, 0
     for shape in shapes:
         rows, cols = as_matrix(shape)
@@ -382,10 +383,13 @@ def low_rank_messages(shapes: Sequence[Sequence[int]], codec: CodecProfile, tens
             p, q, matrices = p + rows * codec.rank, q + cols * codec.rank, matrices + 1
         else:
             p += math.prod(shape)
-    columns = (2 * codec.rank - 1) * matrices if codec.factor_scales else 0
+    columns = (codec.rank - 1) * matrices if codec.factor_scales else 0
     header = codec.header_size(tensors + columns)
     out = [("allreduce", header)] if header else []
-    return out + [("allreduce", size * codec.wire_bits / 8) for size in ((p, q) if matrices else (p,))]
+    if not matrices:
+        return out + [("allreduce", p * codec.wire_bits / 8)]
+    scales = [4 * matrices * codec.rank] if codec.factor_scales else []
+    return out + [("allreduce", nbytes) for nbytes in (p * codec.wire_bits / 8, *scales, q * codec.wire_bits / 8)]
 
 
 def square_shapes(numel: float, tensors: int) -> list[tuple[float, float]]:
