@@ -44,6 +44,8 @@ CONTESTANTS = {
     "gqsgd-8-int8": ("netgain", "gqsgd", {"bits": 8, "encoding": "int8"}),
     "gqsgd-4": ("netgain", "gqsgd", {"bits": 4}),
     "topk-1%": ("netgain", "topk", {"ratio": 0.01}),
+    "lowrank-r4-fp32": ("netgain", "lowrank", {"rank": 4, "factors": "fp32"}),
+    "lowrank-r4-gqsgd8": ("netgain", "lowrank", {"rank": 4, "factors": "gqsgd", "bits": 8}),
     "kimad+": ("netgain", "kimad+", {}),
 }
 LINKS = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}  # netgain.cost.network presets of the lab's rates
