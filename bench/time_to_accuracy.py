@@ -6,6 +6,9 @@ from the same initial weights on the same batches of real text (the Python stand
 source, `netgain train`'s default corpus, every 10th file held out) with AdamW, until its
 validation loss reaches the target or a step cap of `--cap` x T. The target is the validation
 loss fp32 DDP reaches at step T (`--target-step`): ddp trains first in round 0 and sets it.
+With `--seed-per-round`, round r trains from seed + r (batches and initial model) and its own ddp
+run sets its target: one seed's steps to target is a draw (the same algorithm moved 117-162 steps
+over three seeds), and rounds on one seed sample only the step times.
 Time to target = the sum of the step times (validations excluded) up to where the validation loss
 crosses the target, interpolated linearly between the last validation above it and the first at or
 below it (validations: every `--eval-every` steps, on a fixed set of held-out windows, the same for
@@ -145,9 +148,10 @@ def worker(args) -> None:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
-    def train(label: str, steps: int, target: float | None = None, eval_every: int = 0) -> dict:
-        """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target."""
-        torch.manual_seed(0)
+    def train(label: str, steps: int, target: float | None = None, eval_every: int = 0, seed: int = args.seed) -> dict:
+        """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target.
+        seed: the batches'; with --seed-per-round also the initial model's (else seed 0's)."""
+        torch.manual_seed(seed if args.seed_per_round else 0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         numel = sum(p.numel() for p in model.parameters())
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
@@ -156,7 +160,7 @@ def worker(args) -> None:
         train_s, eval_s, wire = 0.0, 0.0, []
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in range(steps):
-            ids = corpus.train_batch(args.seed, step, rank, world, args.batch_size, args.seq_len)
+            ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
             start = time.perf_counter()
             ddp(input_ids=ids, labels=ids).loss.backward()
@@ -181,12 +185,15 @@ def worker(args) -> None:
     rows, target, first_round = [], None, time.perf_counter()
     for round_ in range(args.rounds):
         round_start = time.perf_counter()
-        for label in args.contestants:  # ddp first: round 0's sets the target
+        seed = args.seed + round_ if args.seed_per_round else args.seed
+        if args.seed_per_round:
+            target = None  # each round's own ddp run sets its target
+        for label in args.contestants:  # ddp first: it sets the target (round 0's, or each round's)
             if target is None:
-                row = train(label, args.target_step, eval_every=args.eval_every)
+                row = train(label, args.target_step, eval_every=args.eval_every, seed=seed)
                 target = row["curve"][-1][2]
             else:
-                row = train(label, args.cap * args.target_step, target, args.eval_every)
+                row = train(label, args.cap * args.target_step, target, args.eval_every, seed)
             first = crossing(row["curve"], target)
             row.update(round=round_, target=target, reached=first is not None, final_loss=row["curve"][-1][2],
                        steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf)
@@ -302,7 +309,7 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
     return ["--rounds", str(args.rounds), "--target-step", str(args.target_step), "--cap", str(args.cap),
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
             "--eval-batch-size", str(args.eval_batch_size), "--warmup", str(args.warmup), "--lr", str(args.lr),
-            "--seed", str(args.seed), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--seed", str(args.seed), *(["--seed-per-round"] if args.seed_per_round else []), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--hidden", str(args.hidden), "--layers", str(args.layers), "--bucket-mb", str(args.bucket_mb),
             *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else []),
             "--contestants", *contestants]
@@ -412,9 +419,10 @@ def report(rows, summary, picks, meta, out: Path) -> None:
              f"DDP buckets of {meta['bucket_mb']} MB; text: the Python standard library's source, every 10th file "
              f"held out. Validation: {meta['eval_batches']} x {meta['eval_batch_size']} x {meta['seq_len']} held-out "
              f"bytes every {meta['eval_every']} steps. Target: fp32 DDP's validation loss at step {meta['target_step']} "
-             f"(round 0); step cap {meta['cap']} x {meta['target_step']}. Up to {meta['rounds']} rounds per cell"
+             + (f"(each round's own: round r trains from seed {meta['seed']} + r, batches and initial model)"
+                if meta.get("seed_per_round") else "(round 0)") + f"; step cap {meta['cap']} x {meta['target_step']}. Up to {meta['rounds']} rounds per cell"
              f"{'' if meta['max_minutes'] is None else ' within ' + format(meta['max_minutes'], 'g') + ' minutes'}, contestants "
-             f"interleaved within each (ddp first), each from the same initial model; {meta['warmup']} untimed "
+             f"interleaved within each (ddp first), each from the round's initial model; {meta['warmup']} untimed "
              "throwaway steps per contestant before round 0.",
              "Time to target: the sum of step times (barrier to optimizer step; validations excluded) up to the target's "
              "crossing, interpolated between the last validation above it and the first at or below it (steps to "
@@ -466,6 +474,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed throwaway steps per contestant before round 0")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0, help="batches are a function of (seed, step, rank)")
+    parser.add_argument("--seed-per-round", action="store_true",
+                        help="round r trains from seed + r (batches and initial model) to its own ddp run's target: "
+                             "the rounds sample steps to target over seeds, not only step times")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=192)
@@ -527,7 +538,7 @@ def main(argv=None) -> int:
             "compute_s": compute, "codec_cost": args.codec_cost,
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "lr", "rounds", "target_step",
                                              "cap", "eval_every", "eval_batches", "eval_batch_size", "warmup",
-                                             "bucket_mb", "max_minutes")}}
+                                             "bucket_mb", "max_minutes", "seed", "seed_per_round")}}
     report(rows, summarise(rows, picks), picks, meta, args.out)
     return 0
 
