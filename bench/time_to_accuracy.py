@@ -435,8 +435,10 @@ def report(rows, summary, picks, meta, out: Path) -> None:
         if not mine:
             continue
         rounds = 1 + max(r["round"] for r in rows if (r["rate"], r["workers"]) == (rate, workers))
+        targets = dict.fromkeys(f"{r['target']:.4f}" for r in rows if (r["rate"], r["workers"]) == (rate, workers)
+                                and r["label"] == "ddp")  # one per round with --seed-per-round
         lines += ["", f"## {rate}, {workers} workers", "",
-                  f"{rounds} rounds. Target {mine[0]['target']:.4f}. netgain model's pick, before the run: "
+                  f"{rounds} rounds. Target {' / '.join(targets)}. netgain model's pick, before the run: "
                   f"**{chosen['codec']}** "
                   f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
                   f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
