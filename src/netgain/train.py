@@ -433,7 +433,9 @@ def worker_start_method() -> str:
     """"forkserver" where the platform has it: one server process imports torch and netgain once, and
     every worker is a fork of it (0.1-0.2 s each) instead of a fresh interpreter importing them again
     (3-5 s of CPU each, which several workers on few cores pay in turn). The server never touches a
-    GPU or a thread pool, so its forks are as clean as spawned processes. Else "spawn"."""
+    GPU or a thread pool, so its forks are as clean as spawned processes. Else "spawn". A worker prints
+    wherever stdout pointed when the server started: a process that redirects its fd 1 between two runs
+    (pytest's capfd) gets the second run's output where the first's went."""
     if "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return "spawn"
     torch.multiprocessing.set_forkserver_preload(["netgain.train"])  # no effect on a server already running
