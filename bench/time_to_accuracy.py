@@ -148,7 +148,7 @@ def worker(args) -> None:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
-    def train(label: str, steps: int, target: float | None = None, eval_every: int = 0, seed: int = args.seed) -> dict:
+    def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0) -> dict:
         """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target.
         seed: the batches'; with --seed-per-round also the initial model's (else seed 0's)."""
         torch.manual_seed(seed if args.seed_per_round else 0)
@@ -181,19 +181,17 @@ def worker(args) -> None:
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
     for label in args.contestants:  # compile, first allocations: untimed, discarded
-        train(label, args.warmup)
+        train(label, args.warmup, args.seed)
     rows, target, first_round = [], None, time.perf_counter()
     for round_ in range(args.rounds):
         round_start = time.perf_counter()
-        seed = args.seed + round_ if args.seed_per_round else args.seed
-        if args.seed_per_round:
-            target = None  # each round's own ddp run sets its target
+        seed = args.seed + (round_ if args.seed_per_round else 0)
         for label in args.contestants:  # ddp first: it sets the target (round 0's, or each round's)
-            if target is None:
-                row = train(label, args.target_step, eval_every=args.eval_every, seed=seed)
+            if label == "ddp" and (target is None or args.seed_per_round):
+                row = train(label, args.target_step, seed, eval_every=args.eval_every)
                 target = row["curve"][-1][2]
             else:
-                row = train(label, args.cap * args.target_step, target, args.eval_every, seed)
+                row = train(label, args.cap * args.target_step, seed, target, args.eval_every)
             first = crossing(row["curve"], target)
             row.update(round=round_, target=target, reached=first is not None, final_loss=row["curve"][-1][2],
                        steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf)
