@@ -72,7 +72,7 @@ CONTESTANTS = {
     "randomk-1%": ("netgain", "randomk", {"ratio": 0.01}),
     "lowrank-r4-fp32": ("netgain", "lowrank", {"rank": 4, "factors": "fp32"}),
     "lowrank-r4-gqsgd8": ("netgain", "lowrank", {"rank": 4, "factors": "gqsgd", "bits": 8}),
-    "lowrank-r4-fp32-w2": ("netgain", "lowrank", {"rank": 4, "factors": "fp32", "warmup_steps": 2}),
+    "lowrank-r4-fp32-w0": ("netgain", "lowrank", {"rank": 4, "factors": "fp32", "warmup_steps": 0}),
     "kimad+": ("netgain", "kimad+", {}),
     "kimad": ("netgain", "kimad", {}),
 }

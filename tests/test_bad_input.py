@@ -69,6 +69,12 @@ def test_bad_number_is_named_with_its_range(argv, message):
     assert message in str(error.value)
 
 
+def test_warmup_steps_default_is_the_codecs():
+    assert config("--codec", "lowrank").warmup_steps == 2
+    assert config("--codec", "lowrank", "--warmup-steps", "0").warmup_steps == 0
+    assert config("--codec", "gqsgd").warmup_steps == config("--codec", "ddp-powersgd").warmup_steps == 0
+
+
 def test_world_size_at_the_cap_is_accepted():
     assert config("--world-size", str(4 * CPUS)).world_size == 4 * CPUS
 

@@ -67,7 +67,7 @@ def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, op
 def lowrank_state_after_nan(rank, world_size):
     """Low rank with fp32 factors has no header: NaN is caught on round 1's sum, before any state is written."""
     model = ddp(Layers())
-    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0)
+    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0, warmup_steps=0)
     try:
         model(0, rank).backward()
         before = state.store.local_state(), state.store.shared_state()  # residuals, warm-start Qs
@@ -230,6 +230,13 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
 def test_typed_configs_name_the_argument_and_the_allowed_values(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def test_low_rank_starts_after_powersgds_two_uncompressed_steps_unless_told():
+    assert comm.CommConfig(comm.LowRankConfig()).warmup_steps == comm.comm_config("lowrank").warmup_steps == 2
+    assert comm.comm_config("lowrank", warmup_steps=0).warmup_steps == 0
+    assert comm.CommConfig().warmup_steps == comm.comm_config("topk").warmup_steps == 0
+    assert comm.default_warmup_steps("ddp-powersgd") == 0  # PyTorch's hook enforces its own 2
 
 
 def test_configs_by_name_and_by_object_agree():

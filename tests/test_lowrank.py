@@ -27,7 +27,7 @@ def delivered(rank, world_size):
     out = {}
     for factors in ("fp32", "gqsgd"):
         model = ddp(Layers())
-        state = comm.register(model, comm.LowRankConfig(rank=2, factors=factors), min_compress_numel=0)
+        state = comm.register(model, comm.LowRankConfig(rank=2, factors=factors), min_compress_numel=0, warmup_steps=0)
         steps = []
         for step in range(STEPS):
             model.zero_grad()
@@ -91,7 +91,7 @@ class Stack(torch.nn.Module):
 
 def stacked(rank, world_size):
     model = DDP(Stack())
-    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0)
+    state = comm.register(model, comm.LowRankConfig(rank=2, factors="fp32"), min_compress_numel=0, warmup_steps=0)
     total = torch.zeros(sum(p.numel() for p in model.parameters()))
     for step in range(STEPS):
         model.zero_grad()
@@ -133,7 +133,7 @@ def rank_one(rank, world_size):
     out = {}
     for factors in ("fp32", "gqsgd"):
         model = DDP(RankOne())
-        state = comm.register(model, comm.LowRankConfig(rank=1, factors=factors), min_compress_numel=0)
+        state = comm.register(model, comm.LowRankConfig(rank=1, factors=factors), min_compress_numel=0, warmup_steps=0)
         model(rank).backward()
         state.close()
         out[factors] = model.module.w.grad.clone(), state.last_step["wire_bytes"]

@@ -11,11 +11,11 @@ from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
 from .codecs import CODEC_NAMES as FIXED_CODEC_NAMES, Codec, codec_profile, make_codec, time_codec
 from .config import (CODEC_NAMES, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig, KimadConfig,
                      LowRankConfig, NoCompressionConfig, QSGDConfig, RandomKConfig, TopKConfig, codec_config,
-                     comm_config)
+                     comm_config, default_warmup_steps)
 from .hooks import CommState, NonFiniteGradientError, PlanMismatchError, hook, register
 
 __all__ = ["ADAPTIVE_MODES", "AdaptivePlanner", "CODEC_NAMES", "FIXED_CODEC_NAMES", "CastConfig", "Codec",
            "CommConfig", "CommState", "GlobalQSGDConfig", "GlobalQSGDExpConfig", "KimadConfig", "LowRankConfig",
            "NoCompressionConfig", "NonFiniteGradientError", "PlanMismatchError", "QSGDConfig", "RandomKConfig",
-           "TopKConfig", "codec_config", "codec_profile", "comm_config", "hook", "make_codec", "register",
-           "time_codec"]
+           "TopKConfig", "codec_config", "codec_profile", "comm_config", "default_warmup_steps", "hook",
+           "make_codec", "register", "time_codec"]
