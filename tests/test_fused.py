@@ -52,8 +52,10 @@ def round_trip(name, params, world_size=3):
     return payload, out
 
 
+@pytest.mark.parametrize("min_rows", [0, fused.MIN_ROWS], ids=["rows", "elements"])  # this bucket has 11 rows
 @pytest.mark.parametrize("name,params", CODECS, ids=[f"{n}{p}" for n, p in CODECS])
-def test_compiled_and_eager_codes_are_identical(name, params, monkeypatch):
+def test_compiled_and_eager_codes_are_identical(name, params, min_rows, monkeypatch):
+    monkeypatch.setattr(fused, "MIN_ROWS", min_rows)
     monkeypatch.setenv("NETGAIN_COMPILE", "0")
     eager = round_trip(name, params)
     monkeypatch.setenv("NETGAIN_COMPILE", "1")
@@ -96,16 +98,19 @@ def test_segmented_max_matches_a_loop_and_flags_nonfinite():
 
 
 @pytest.mark.parametrize("compiled", ["0", "1"])
-@pytest.mark.parametrize("sizes", [[5000], [1024, 1024, 7], [700, 700, 700, 3000], [1, 2, 3, 4096, 5, 2500, 1023]],
+@pytest.mark.parametrize("sizes", [[5000], [1024, 1024, 7], [700, 700, 700, 3000], [1, 2, 3, 4096, 5, 2500, 1023],
+                                   [300] * 30 + [5]],  # most rows cut three or more: no rows, every element alone
                          ids=lambda sizes: "-".join(map(str, sizes)))
 def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     """Row tables (<= 2 parameters a row) and fix elements give what every element computed alone gives."""
     monkeypatch.setenv("NETGAIN_COMPILE", compiled)
+    monkeypatch.setattr(fused, "MIN_ROWS", 0)  # rows in these small buckets too
     s = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(len(sizes))], "cpu")
     x = torch.randn(s.numel, generator=torch.Generator().manual_seed(1)) * 3
     multiplier, keys = torch.rand(len(sizes)) * 40 + 1, fused.step_keys(s.keys, 2, 3, 1)
     index, seg = torch.arange(s.numel), s.seg.long()
     expected = fused._round_elements.eager(x, index, seg, s.starts, multiplier, keys, 127)
+    assert s.rows == (0 if len(sizes) > 10 else s.numel // fused.ROW)
     assert torch.equal(fused.round_int8(x, s, multiplier, keys, 127, torch.empty_like(expected)), expected)
     assert torch.equal(fused.scale_into(torch.empty_like(x), expected, s, multiplier), expected.float() * multiplier[seg])
     assert torch.equal(s.absmax(x), torch.stack([part.abs().max() for part in x.split(sizes)]))

@@ -29,6 +29,11 @@ from . import quantize as Q
 
 COMPILE_MODES = ("auto", "1", "0")
 ROW = 1024  # elements per row of a bucket's segment table (Segments)
+# Fewer rows than this and a bucket has none: every element goes the per-element path. The row kernels'
+# fixed cost (about ten compiled calls an encode + decode) beats per-element gathers only from about 100 rows
+# (gqsgd 8-bit packed, 2 workers, 1 thread, encode + decode, rows / per-element: 16K elements 3.83x, 65K 1.70x,
+# 262K 0.57x, 1M 0.34x with 1 parameter; 2.33x, 1.34x, 0.55x, 0.21x with 8; medians of 3 interleaved rounds).
+MIN_ROWS = 100
 # INT_LOADS: inductor's C++ (torch 2.13, AVX2) loads an integer vector through a scalar copy, 3-5x slower
 # than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
 # Inductor stores a value that has two users and reads more than 4 inputs (realize_reads_threshold), then
@@ -130,7 +135,10 @@ class Segments:
     almost every bucket: the first up to column `split`, the second from there. Kernels read such
     a row's per-parameter values once per row (a broadcast the compiler vectorises) instead of
     gathering them per element. The few rows that cut three or more parameters, and the tail
-    after the last whole row, are `fix`: those elements go through the per-element path.
+    after the last whole row, are `fix`: those elements go through the per-element path. A bucket
+    of fewer than MIN_ROWS rows, or whose rows mostly cut three or more parameters (a low-rank
+    factor's columns of a few hundred elements), has no rows: every element is `fix`, and each
+    codec pass is one per-element kernel, cheaper there than the row kernels' fixed cost.
     """
 
     numel: int
@@ -167,6 +175,8 @@ class Segments:
         head = seg[: rows * ROW].view(rows, ROW).long()
         a, b = head[:, 0], head[:, -1]
         two = b - a <= 1
+        if rows < MIN_ROWS or 2 * int(two.sum()) < rows:  # small, or mostly fix rows: no rows (one sync per layout)
+            rows, a, b, two = 0, a[:0], b[:0], two[:0]
         origin = torch.arange(rows, device=device) * ROW
         fix_rows = (~two).repeat_interleave(ROW)
         fix = torch.cat([fix_rows.nonzero().flatten(), torch.arange(rows * ROW, numel, device=device)])
@@ -190,8 +200,13 @@ class Segments:
             high = _row_absmax(_rows(x, self), self.split, self.column)
             out.scatter_reduce_(0, self.first, high[:, 0], "amax")
             out.scatter_reduce_(0, self.second, high[:, 1], "amax")
-        out.scatter_reduce_(0, self.fix_seg, x[self.fix].abs().float(), "amax")
+        out.scatter_reduce_(0, self.fix_seg, _abs_elements(x, self.fix), "amax")
         return out[:-1]
+
+
+@kernel
+def _abs_elements(x, index) -> torch.Tensor:
+    return x[index].abs().float()
 
 
 @kernel
@@ -236,7 +251,12 @@ def _round_rows(out2d, x2d, split, column, base_first, base_second, mult_first, 
 
 @kernel
 def _round_elements(x, index, seg, starts, multiplier, noise_keys, levels: int) -> torch.Tensor:
-    return _round(x, index.to(torch.int32) - starts[seg], multiplier[seg], noise_keys[seg], levels).to(torch.int8)
+    """int8 codes of the elements x[index] (the gather inside the kernel: no pass of its own)."""
+    return _element_codes(x, index, seg, starts, multiplier, noise_keys, levels).to(torch.int8)
+
+
+def _element_codes(x, index, seg, starts, multiplier, noise_keys, levels: int):
+    return _round(x[index], index.to(torch.int32) - starts[seg], multiplier[seg], noise_keys[seg], levels)
 
 
 def round_int8(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_keys: torch.Tensor, levels: int,
@@ -246,7 +266,7 @@ def round_int8(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_key
         (m1, m2), (k1, k2) = s.per_row(multiplier), s.per_row(noise_keys)
         _round_rows(_rows(out, s), _rows(x, s), s.split, s.column, s.base_first, s.base_second, m1, m2, k1, k2, levels)
     if s.fix.numel():
-        out[s.fix] = _round_elements(x[s.fix], s.fix, s.fix_seg, s.starts, multiplier, noise_keys, levels)
+        out[s.fix] = _round_elements(x, s.fix, s.fix_seg, s.starts, multiplier, noise_keys, levels)
     return out
 
 
@@ -277,9 +297,9 @@ class Words:
     def mask(self) -> int:
         return (1 << self.width) - 1
 
-    def main(self, numel: int) -> int:
-        """Words whose fields are whole rows: a multiple of ROW."""
-        return numel // self.per_word // ROW * ROW
+    def main(self, s: "Segments") -> int:
+        """Words whose fields are whole rows of the bucket's row tables: a multiple of ROW (0 without rows)."""
+        return s.rows // self.per_word * ROW
 
     def count(self, numel: int) -> int:
         return -(-numel // self.per_word)
@@ -288,7 +308,7 @@ class Words:
         """Scratch for the (low, high) int32 halves of int64 main words, (2, rows, ROW); one per layout."""
         key = ("halves", self.per_word, self.width)
         if key not in s.cache:
-            s.cache[key] = torch.empty(2, self.main(s.numel) // ROW, ROW, dtype=torch.int32, device=s.seg.device)
+            s.cache[key] = torch.empty(2, self.main(s) // ROW, ROW, dtype=torch.int32, device=s.seg.device)
         return s.cache[key]
 
     def side(self, s: "Segments") -> tuple[torch.Tensor, ...]:
@@ -296,7 +316,7 @@ class Words:
         then the tail, planar over the words after the main ones. Built once per layout."""
         key = ("side", self.per_word, self.width)
         if key not in s.cache:
-            main = self.main(s.numel)
+            main = self.main(s)
             inside = s.fix[s.fix < self.per_word * main]
             tail = torch.arange(self.per_word * main, s.numel, device=s.seg.device)
             rest = -(-tail.numel() // self.per_word)
@@ -340,7 +360,7 @@ def round_pack(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_key
                layout: Words, out: torch.Tensor) -> torch.Tensor:
     """``out`` (layout.count words) = codes in [-levels, levels] of x * multiplier[param], stochastically
     rounded and packed as ``layout`` says; the same codes as `round_int8`, in one pass over x."""
-    main, per_word = layout.main(s.numel), layout.per_word
+    main, per_word = layout.main(s), layout.per_word
     if main:
         rows = main // ROW
         tables = [t[: per_word * rows].view(per_word, rows) for t in
@@ -360,10 +380,17 @@ def round_pack(x: torch.Tensor, s: Segments, multiplier: torch.Tensor, noise_key
     out[main:] = sum(layout.offset << (layout.width * j) for j in range(per_word))  # every field holds code 0
     index, word, shift, seg = layout.side(s)
     if index.numel():  # their fields hold code 0 (multiplier 0 in fix rows): add the difference
-        codes = _round_elements(x[index], index, seg, s.starts, multiplier, noise_keys, levels).long()
-        delta = (((codes + layout.offset) & layout.mask) - layout.offset) << shift
-        out.index_add_(0, word, delta.to(out.dtype))
+        out.index_add_(0, word, _field_deltas(x, index, seg, shift, s.starts, multiplier, noise_keys, levels,
+                                              layout.offset, layout.mask, out.dtype))
     return out
+
+
+@kernel
+def _field_deltas(x, index, seg, shift, starts, multiplier, noise_keys, levels: int, offset: int, mask: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """What the elements x[index] add to words whose fields at ``shift`` hold code 0: rounding and field in one pass."""
+    codes = _element_codes(x, index, seg, starts, multiplier, noise_keys, levels).to(torch.int64)
+    return ((((codes + offset) & mask) - offset) << shift).to(dtype)
 
 
 @kernel
@@ -384,7 +411,7 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
                       summands: int) -> torch.Tensor:
     """out = (sum of the codes in a field) * factor[param] from words laid out by ``layout`` (each field the
     integer SUM of ``summands`` workers' codes), into the bucket's buffer."""
-    main, per_word = layout.main(s.numel), layout.per_word
+    main, per_word = layout.main(s), layout.per_word
     offset, sign = summands * layout.offset, 0 if layout.offset else 1 << (layout.width - 1)
     if main:
         rows = main // ROW
@@ -396,9 +423,15 @@ def unpack_scale_into(out: torch.Tensor, words: torch.Tensor, s: Segments, facto
                          layout.width * j, s.split[field], s.column, f1[field], f2[field])
     index, word, shift, seg = layout.side(s)
     if index.numel():
-        fields = (words[word].long() >> shift) & layout.mask
-        out[index] = (_field_values(fields, offset, sign).float() * factor[seg]).to(out.dtype)
+        out[index] = _unpack_elements(words, word, shift, seg, factor, offset, layout.mask, sign, out.dtype)
     return out
+
+
+@kernel
+def _unpack_elements(words, word, shift, seg, factor, offset: int, mask: int, sign: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values of the fields at (word, shift), each times its parameter's factor: the gathers inside the kernel."""
+    fields = (words[word].to(torch.int64) >> shift) & mask
+    return (_field_values(fields, offset, sign).float() * factor[seg]).to(dtype)
 
 
 def _values(codes: torch.Tensor, top: int | None) -> torch.Tensor:
