@@ -2,6 +2,8 @@
 bit for bit for every codec, the counter-based noise is a pure function of its keys and is
 independent of the bucket layout, and the segmented max matches a per-parameter loop."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -52,10 +54,10 @@ def round_trip(name, params, world_size=3):
     return payload, out
 
 
-@pytest.mark.parametrize("min_rows", [0, fused.MIN_ROWS], ids=["rows", "elements"])  # this bucket has 11 rows
+@pytest.mark.parametrize("min_rows", [0, fused.MIN_PACKED_ROWS], ids=["rows", "elements"])  # this bucket has 11 rows
 @pytest.mark.parametrize("name,params", CODECS, ids=[f"{n}{p}" for n, p in CODECS])
 def test_compiled_and_eager_codes_are_identical(name, params, min_rows, monkeypatch):
-    monkeypatch.setattr(fused, "MIN_ROWS", min_rows)
+    monkeypatch.setattr(fused, "MIN_PACKED_ROWS", min_rows)
     monkeypatch.setenv("NETGAIN_COMPILE", "0")
     eager = round_trip(name, params)
     monkeypatch.setenv("NETGAIN_COMPILE", "1")
@@ -104,7 +106,7 @@ def test_segmented_max_matches_a_loop_and_flags_nonfinite():
 def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     """Row tables (<= 2 parameters a row) and fix elements give what every element computed alone gives."""
     monkeypatch.setenv("NETGAIN_COMPILE", compiled)
-    monkeypatch.setattr(fused, "MIN_ROWS", 0)  # rows in these small buckets too
+    monkeypatch.setattr(fused, "MIN_PACKED_ROWS", 0)  # packed rows in these small buckets too
     s = Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(len(sizes))], "cpu")
     x = torch.randn(s.numel, generator=torch.Generator().manual_seed(1)) * 3
     multiplier, keys = torch.rand(len(sizes)) * 40 + 1, fused.step_keys(s.keys, 2, 3, 1)
@@ -116,7 +118,8 @@ def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     assert torch.equal(s.absmax(x), torch.stack([part.abs().max() for part in x.split(sizes)]))
     layouts = [fused.Words(torch.int32, 10, 3, 127), fused.Words(torch.int64, 15, 4, 127),
                fused.Words(torch.int32, 8, 4, 0)]  # planar fields cut rows at other places; int8's signed bytes
-    for layout in layouts:
+    for layout, min_packed_rows in itertools.product(layouts, (0, s.rows + 1)):  # row words, or side words only
+        monkeypatch.setattr(fused, "MIN_PACKED_ROWS", min_packed_rows)
         words = fused.round_pack(x, s, multiplier, keys, 127, layout,
                                  torch.empty(layout.count(s.numel), dtype=layout.dtype))
         decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, 1)

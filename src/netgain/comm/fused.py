@@ -29,11 +29,13 @@ from . import quantize as Q
 
 COMPILE_MODES = ("auto", "1", "0")
 ROW = 1024  # elements per row of a bucket's segment table (Segments)
-# Fewer rows than this and a bucket has none: every element goes the per-element path. The row kernels'
-# fixed cost (about ten compiled calls an encode + decode) beats per-element gathers only from about 100 rows
-# (gqsgd 8-bit packed, 2 workers, 1 thread, encode + decode, rows / per-element: 16K elements 3.83x, 65K 1.70x,
-# 262K 0.57x, 1M 0.34x with 1 parameter; 2.33x, 1.34x, 0.55x, 0.21x with 8; medians of 3 interleaved rounds).
-MIN_ROWS = 100
+# Packed words of a bucket with fewer rows than this are all side words (`Words.main`): the packed row path
+# costs about ten compiled calls an encode + decode (two int32 halves, their join, one call per field), which
+# beats per-element gathers only from about 100 rows (gqsgd 8-bit packed, 2 workers, 1 thread, encode + decode,
+# rows / per-element: 16K elements 3.83x, 65K 1.70x, 262K 0.57x, 1M 0.34x with 1 parameter; 2.33x, 1.34x,
+# 0.55x, 0.21x with 8; medians of 3 interleaved rounds). The other codecs' row paths are one call a pass and
+# keep their rows: per element they ran 1.4-3x slower at 65K elements.
+MIN_PACKED_ROWS = 100
 # INT_LOADS: inductor's C++ (torch 2.13, AVX2) loads an integer vector through a scalar copy, 3-5x slower
 # than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
 # Inductor stores a value that has two users and reads more than 4 inputs (realize_reads_threshold), then
@@ -136,9 +138,9 @@ class Segments:
     a row's per-parameter values once per row (a broadcast the compiler vectorises) instead of
     gathering them per element. The few rows that cut three or more parameters, and the tail
     after the last whole row, are `fix`: those elements go through the per-element path. A bucket
-    of fewer than MIN_ROWS rows, or whose rows mostly cut three or more parameters (a low-rank
-    factor's columns of a few hundred elements), has no rows: every element is `fix`, and each
-    codec pass is one per-element kernel, cheaper there than the row kernels' fixed cost.
+    whose rows mostly cut three or more parameters (a low-rank factor's columns of a few hundred
+    elements) has no rows: every element is `fix`, and each codec pass is one per-element kernel
+    instead of row kernels that would skip most of their rows.
     """
 
     numel: int
@@ -175,7 +177,7 @@ class Segments:
         head = seg[: rows * ROW].view(rows, ROW).long()
         a, b = head[:, 0], head[:, -1]
         two = b - a <= 1
-        if rows < MIN_ROWS or 2 * int(two.sum()) < rows:  # small, or mostly fix rows: no rows (one sync per layout)
+        if 2 * int(two.sum()) < rows:  # mostly fix rows: no rows at all (one sync per layout)
             rows, a, b, two = 0, a[:0], b[:0], two[:0]
         origin = torch.arange(rows, device=device) * ROW
         fix_rows = (~two).repeat_interleave(ROW)
@@ -298,25 +300,25 @@ class Words:
         return (1 << self.width) - 1
 
     def main(self, s: "Segments") -> int:
-        """Words whose fields are whole rows of the bucket's row tables: a multiple of ROW (0 without rows)."""
-        return s.rows // self.per_word * ROW
+        """Words whose fields are whole rows of the bucket's row tables: a multiple of ROW (none under MIN_PACKED_ROWS)."""
+        return s.rows // self.per_word * ROW if s.rows >= MIN_PACKED_ROWS else 0
 
     def count(self, numel: int) -> int:
         return -(-numel // self.per_word)
 
     def halves(self, s: "Segments") -> torch.Tensor:
         """Scratch for the (low, high) int32 halves of int64 main words, (2, rows, ROW); one per layout."""
-        key = ("halves", self.per_word, self.width)
+        key = ("halves", self.per_word, self.width, self.main(s))
         if key not in s.cache:
-            s.cache[key] = torch.empty(2, self.main(s) // ROW, ROW, dtype=torch.int32, device=s.seg.device)
+            s.cache[key] = torch.empty(2, key[-1] // ROW, ROW, dtype=torch.int32, device=s.seg.device)
         return s.cache[key]
 
     def side(self, s: "Segments") -> tuple[torch.Tensor, ...]:
         """(element, word, shift, segment id) of the side elements: those of fix rows inside the main words,
         then the tail, planar over the words after the main ones. Built once per layout."""
-        key = ("side", self.per_word, self.width)
+        key = ("side", self.per_word, self.width, self.main(s))
         if key not in s.cache:
-            main = self.main(s)
+            main = key[-1]
             inside = s.fix[s.fix < self.per_word * main]
             tail = torch.arange(self.per_word * main, s.numel, device=s.seg.device)
             rest = -(-tail.numel() // self.per_word)
@@ -454,8 +456,13 @@ def scale_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factor: torc
         head = _rows(out, s).copy_(_rows(codes, s))
         _scale_rows(head, head, s.split, s.column, f1, f2, top)
     if s.fix.numel():
-        out[s.fix] = (_values(codes[s.fix], top) * factor[s.fix_seg]).to(out.dtype)
+        out[s.fix] = _scale_elements(codes, s.fix, s.fix_seg, factor, top, out.dtype)
     return out
+
+
+@kernel
+def _scale_elements(codes, index, seg, factor, top: int | None, dtype: torch.dtype) -> torch.Tensor:
+    return (_values(codes[index], top) * factor[seg]).to(dtype)
 
 
 @kernel
@@ -474,8 +481,14 @@ def scale_sum_into(out: torch.Tensor, codes: torch.Tensor, s: Segments, factors:
         values = _rows(scratch, s).copy_(_rows(codes[w], s))
         _scale_add_rows(_rows(out, s), values, s.split, s.column, *s.per_row(factors[w]))
     if s.fix.numel():
-        out[s.fix] = (codes[:, s.fix].float() * factors[:, s.fix_seg]).sum(0).to(out.dtype)
+        out[s.fix] = _scale_sum_elements(codes, s.fix, s.fix_seg, factors, out.dtype)
     return out
+
+
+@kernel
+def _scale_sum_elements(codes, index, seg, factors, dtype: torch.dtype) -> torch.Tensor:
+    """Every worker's codes (n, numel) at ``index``, each times its own factor of the element's parameter, summed."""
+    return (codes[:, index].float() * factors[:, seg]).sum(0).to(dtype)
 
 
 @kernel
@@ -502,7 +515,7 @@ def _exp_rows(out2d, x2d, split, column, base_first, base_second, scale_first, s
 
 @kernel
 def _exp_elements(x, index, seg, starts, scales, noise_keys, top: int, exponents: int, smallest: float) -> torch.Tensor:
-    return Q.exp_encode(x / scales[seg], top, exponents, noise_at(index.to(torch.int32), seg, starts, noise_keys), smallest)
+    return Q.exp_encode(x[index] / scales[seg], top, exponents, noise_at(index.to(torch.int32), seg, starts, noise_keys), smallest)
 
 
 def exp_encode(x: torch.Tensor, s: Segments, scales: torch.Tensor, noise_keys: torch.Tensor, top: int, exponents: int,
@@ -515,7 +528,7 @@ def exp_encode(x: torch.Tensor, s: Segments, scales: torch.Tensor, noise_keys: t
         _exp_rows(_rows(out, s), _rows(x, s), s.split, s.column, s.base_first, s.base_second, c1, c2, k1, k2, top, exponents,
                   Q.exp_smallest(top, exponents))
     if s.fix.numel():
-        out[s.fix] = _exp_elements(x[s.fix], s.fix, s.fix_seg, s.starts, scales, noise_keys, top, exponents,
+        out[s.fix] = _exp_elements(x, s.fix, s.fix_seg, s.starts, scales, noise_keys, top, exponents,
                                    Q.exp_smallest(top, exponents))
     return out
 
@@ -551,8 +564,13 @@ def at_or_above(x: torch.Tensor, local: torch.Tensor, s: Segments, threshold: to
         t1, t2 = s.per_row(threshold)
         _at_or_above_rows(_rows(out, s), _rows(x, s), _rows(local, s), s.split, s.column, t1, t2)
     if s.fix.numel():
-        out[s.fix] = ((x[s.fix] - local[s.fix]).abs() >= threshold[s.fix_seg]).to(torch.int8)
+        out[s.fix] = _at_or_above_elements(x, local, s.fix, s.fix_seg, threshold)
     return out
+
+
+@kernel
+def _at_or_above_elements(x, local, index, seg, threshold) -> torch.Tensor:
+    return torch.where((x[index] - local[index]).abs() >= threshold[seg], 1.0, 0.0).to(torch.int8)
 
 
 def flag_indices(flags: torch.Tensor) -> torch.Tensor:
