@@ -206,6 +206,14 @@ def test_resume_does_not_overwrite_its_checkpoint(tmp_path):
     assert config("--resume", str(path), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8").checkpoint
 
 
+def test_resume_keeps_the_checkpoints_warmup_unless_told(tmp_path):
+    """A low-rank checkpoint from before the default of 2 warm-up steps resumes as it was trained."""
+    path = fake_checkpoint(tmp_path / "ck.pt", codec="lowrank", warmup_steps=0)
+    assert config("--resume", str(path), "--codec", "lowrank").warmup_steps == 0
+    with pytest.raises(ValueError, match="was trained with --warmup-steps 0; this run has --warmup-steps 2"):
+        config("--resume", str(path), "--codec", "lowrank", "--warmup-steps", "2")
+
+
 def test_resume_applies_lr_batch_size_and_data_and_names_them(tmp_path):
     path = fake_checkpoint(tmp_path / "ck.pt")
     resumed = config("--resume", str(path), "--lr", "0.5", "--batch-size", "4")

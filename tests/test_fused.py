@@ -15,19 +15,20 @@ from netgain.comm.feedback import EF21
 from netgain.comm.fused import Segments
 
 SIZES = [3000, 1, 17, 2048, 5000, 999]  # parameters of a bucket: tiny ones, block-aligned ones, odd ones
+FACTOR_SIZES = [300] * 30 + [5]  # a low-rank factor payload's columns
 CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 6}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
           ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 3}), ("gqsgd-exp", {"bits": 8}), ("topk", {"ratio": 0.05}),
           ("randomk", {"ratio": 0.05})]
 
 
-def bucket(seed=0):
+def bucket(seed=0, sizes=SIZES):
     g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.randn(n, generator=g) * (i + 1) for i, n in enumerate(SIZES)])
+    return torch.cat([torch.randn(n, generator=g) * (i + 1) for i, n in enumerate(sizes)])
 
 
-def segments(order=None):
-    order = order or list(range(len(SIZES)))
-    return Segments.build([SIZES[i] for i in order], [fused.name_key(f"p{i}") for i in order], "cpu")
+def segments(order=None, sizes=SIZES):
+    order = order or list(range(len(sizes)))
+    return Segments.build([sizes[i] for i in order], [fused.name_key(f"p{i}") for i in order], "cpu")
 
 
 def noise(s, keys):
@@ -35,11 +36,11 @@ def noise(s, keys):
     return fused.noise_at(torch.arange(s.numel, dtype=torch.int32), s.seg.long(), s.starts, keys)
 
 
-def round_trip(name, params, world_size=3):
+def round_trip(name, params, world_size=3, sizes=SIZES):
     """One encode + decode of a fixed bucket, faking the collective as world_size identical ranks."""
     codec = comm.make_codec(name, **params)
-    s = segments()
-    x = bucket()
+    s = segments(sizes=sizes)
+    x = bucket(sizes=sizes)
     ctx = Context(world_size, s, fused.step_keys(s.keys, 1, 5, 0), fused.step_keys(s.keys, 1, 5, -1),
                   feedback=EF21(x.numel()) if codec.uses_feedback else None)
     ctx.scales = codec.local_scales(x, ctx)
@@ -54,14 +55,17 @@ def round_trip(name, params, world_size=3):
     return payload, out
 
 
-@pytest.mark.parametrize("min_rows", [0, fused.MIN_PACKED_ROWS], ids=["rows", "elements"])  # this bucket has 11 rows
+# SIZES' bucket has 10 rows: packed words in rows, or (at the default MIN_PACKED_ROWS) side words only; FACTOR_SIZES'
+# rows mostly cut three or more parameters, so it has no rows for any codec (low rank's factor payloads)
+@pytest.mark.parametrize("sizes,min_rows", [(SIZES, 0), (SIZES, fused.MIN_PACKED_ROWS), (FACTOR_SIZES, 0)],
+                         ids=["rows", "packed-side", "no-rows"])
 @pytest.mark.parametrize("name,params", CODECS, ids=[f"{n}{p}" for n, p in CODECS])
-def test_compiled_and_eager_codes_are_identical(name, params, min_rows, monkeypatch):
+def test_compiled_and_eager_codes_are_identical(name, params, sizes, min_rows, monkeypatch):
     monkeypatch.setattr(fused, "MIN_PACKED_ROWS", min_rows)
     monkeypatch.setenv("NETGAIN_COMPILE", "0")
-    eager = round_trip(name, params)
+    eager = round_trip(name, params, sizes=sizes)
     monkeypatch.setenv("NETGAIN_COMPILE", "1")
-    compiled = round_trip(name, params)
+    compiled = round_trip(name, params, sizes=sizes)
     assert torch.equal(eager[0], compiled[0]), "payloads differ"
     assert torch.equal(eager[1], compiled[1]), "decoded buckets differ"
 
@@ -101,7 +105,7 @@ def test_segmented_max_matches_a_loop_and_flags_nonfinite():
 
 @pytest.mark.parametrize("compiled", ["0", "1"])
 @pytest.mark.parametrize("sizes", [[5000], [1024, 1024, 7], [700, 700, 700, 3000], [1, 2, 3, 4096, 5, 2500, 1023],
-                                   [300] * 30 + [5]],  # most rows cut three or more: no rows, every element alone
+                                   FACTOR_SIZES],  # most rows cut three or more: no rows, every element alone
                          ids=lambda sizes: "-".join(map(str, sizes)))
 def test_rows_equal_the_per_element_path(sizes, compiled, monkeypatch):
     """Row tables (<= 2 parameters a row) and fix elements give what every element computed alone gives."""

@@ -57,7 +57,8 @@ def nan_on_rank_one(rank, world_size, policy, codec="gqsgd", options=None):
 
 
 @pytest.mark.parametrize("world_size,codec,options", [(2, "gqsgd", {}), (3, "gqsgd", {}), (2, "topk", {}), (3, "fp16", {}),
-                                                      (2, "none", {}), (2, "lowrank", {}), (3, "lowrank", {"factors": "fp32"})])
+                                                      (2, "none", {}), (2, "lowrank", {"warmup_steps": 0}),
+                                                      (3, "lowrank", {"factors": "fp32", "warmup_steps": 0})])
 def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, options):
     results = run(nan_on_rank_one, world_size, "raise", codec, options)
     assert all(status == "error" and message.startswith("NonFiniteGradientError: ") and "b" in message

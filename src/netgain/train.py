@@ -120,7 +120,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="gqsgd wire encoding (int8: --bits 8 only)")
     parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent, in (0, 1] (topk, randomk)")
     parser.add_argument("--warmup-steps", type=int,
-                        help="uncompressed steps before the codec starts (default: 2 for lowrank, as PowerSGD; else 0)")
+                        help="uncompressed steps before the codec starts (default: 2 for lowrank, as PowerSGD; 0 for the other "
+                        "netgain codecs; ddp-powersgd runs at least 2 whatever this says; on --resume the checkpoint's)")
     parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
     parser.add_argument("--rank", type=int, default=4, help="matrix approximation rank, >= 1 (lowrank, ddp-powersgd)")
     parser.add_argument("--factors", choices=comm.lowrank.FACTORS, default="gqsgd",
@@ -180,7 +181,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's settings, every one checked here in the parent, before any worker starts."""
     world_size = resolve_world_size(args)
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
-    warmup_steps = comm.default_warmup_steps(args.codec) if args.warmup_steps is None else args.warmup_steps
+    warmup_steps = args.warmup_steps
+    if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
+        saved = read_checkpoint(args.resume)["config"].get("warmup_steps") if args.resume else None
+        warmup_steps = comm.default_warmup_steps(args.codec) if saved is None else saved
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
                          rank=args.rank, factors=args.factors,

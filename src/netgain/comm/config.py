@@ -145,7 +145,8 @@ CODEC_NAMES = tuple(CODEC_CONFIGS)
 class CommConfig:
     """A codec and how the hook applies it.
 
-    warmup_steps: uncompressed steps first (None: the codec's default, default_warmup_steps).
+    warmup_steps: uncompressed steps first (None: the codec's default, default_warmup_steps; resolved
+    here, so dataclasses.replace with another codec keeps this one's number).
     min_compress_numel: smaller buckets go uncompressed.
     skip_1d: 1-D gradients (biases, norm weights) go exact in fp32, as PowerSGD does.
     nonfinite: "raise" NonFiniteGradientError on every rank, or send such a bucket "uncompressed".

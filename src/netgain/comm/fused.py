@@ -177,7 +177,7 @@ class Segments:
         head = seg[: rows * ROW].view(rows, ROW).long()
         a, b = head[:, 0], head[:, -1]
         two = b - a <= 1
-        if 2 * int(two.sum()) < rows:  # mostly fix rows: no rows at all (one sync per layout)
+        if 2 * int(two.sum()) < rows:  # mostly fix rows: no rows at all (a sync, once per layout)
             rows, a, b, two = 0, a[:0], b[:0], two[:0]
         origin = torch.arange(rows, device=device) * ROW
         fix_rows = (~two).repeat_interleave(ROW)
@@ -202,7 +202,8 @@ class Segments:
             high = _row_absmax(_rows(x, self), self.split, self.column)
             out.scatter_reduce_(0, self.first, high[:, 0], "amax")
             out.scatter_reduce_(0, self.second, high[:, 1], "amax")
-        out.scatter_reduce_(0, self.fix_seg, _abs_elements(x, self.fix), "amax")
+        if self.fix.numel():
+            out.scatter_reduce_(0, self.fix_seg, _abs_elements(x, self.fix), "amax")
         return out[:-1]
 
 
@@ -307,7 +308,7 @@ class Words:
         return -(-numel // self.per_word)
 
     def halves(self, s: "Segments") -> torch.Tensor:
-        """Scratch for the (low, high) int32 halves of int64 main words, (2, rows, ROW); one per layout."""
+        """Scratch for the (low, high) int32 halves of int64 main words, (2, main // ROW, ROW); one per layout."""
         key = ("halves", self.per_word, self.width, self.main(s))
         if key not in s.cache:
             s.cache[key] = torch.empty(2, key[-1] // ROW, ROW, dtype=torch.int32, device=s.seg.device)
