@@ -181,9 +181,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's settings, every one checked here in the parent, before any worker starts."""
     world_size = resolve_world_size(args)
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
+    checkpoint = read_checkpoint(args.resume) if args.resume else None  # read once for every check below
     warmup_steps = args.warmup_steps
     if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
-        saved = read_checkpoint(args.resume)["config"].get("warmup_steps") if args.resume else None
+        saved = checkpoint["config"].get("warmup_steps") if checkpoint else None
         warmup_steps = comm.default_warmup_steps(args.codec) if saved is None else saved
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
@@ -200,9 +201,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         check_local_world_size(config.world_size)
     check_data(config)
     if config.fsdp:
-        check_fsdp(config)
-    if config.resume:
-        check_resume(config)
+        check_fsdp(config, checkpoint)
+    if checkpoint:
+        check_resume(config, checkpoint)
     return config
 
 
@@ -228,13 +229,13 @@ def resolve_world_size(args: argparse.Namespace) -> int:
     return mesh
 
 
-def check_fsdp(c: TrainConfig) -> None:
+def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
     """The codecs that run on FSDP's cross-replica hop, and checkpoint folders that are netgain's to replace."""
     if c.codec not in comm_fsdp.CODECS:
         raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
                          "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
                          "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
-    start = read_checkpoint(c.resume)["step"] if c.resume else 0
+    start = checkpoint["step"] if checkpoint else 0
     for step in _checkpoint_steps(c, start):
         path = Path(c.checkpoint.replace("{step}", str(step)))
         if path.exists() and not (path / SHARDED_CHECKPOINT_FILE).is_file():
@@ -289,9 +290,8 @@ def check_data(c: TrainConfig) -> None:
     corpus.require_sequences(c.world_size, c.seq_len, f"--data {c.data}")
 
 
-def check_resume(c: TrainConfig) -> None:
-    """Refuse by name every setting that differs from the checkpoint and cannot be applied."""
-    checkpoint = read_checkpoint(c.resume)
+def check_resume(c: TrainConfig, checkpoint: dict) -> None:
+    """Refuse by name every setting that differs from the checkpoint (read_checkpoint's) and cannot be applied."""
     saved = checkpoint["config"]
     if saved.get("fsdp", False) != c.fsdp:
         raise ValueError(f"--resume {c.resume} was written " + ("with" if saved.get("fsdp") else "without")

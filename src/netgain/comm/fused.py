@@ -33,8 +33,9 @@ ROW = 1024  # elements per row of a bucket's segment table (Segments)
 # costs about ten compiled calls an encode + decode (two int32 halves, their join, one call per field), which
 # beats per-element gathers only from about 100 rows (gqsgd 8-bit packed, 2 workers, 1 thread, encode + decode,
 # rows / per-element: 16K elements 3.83x, 65K 1.70x, 262K 0.57x, 1M 0.34x with 1 parameter; 2.33x, 1.34x,
-# 0.55x, 0.21x with 8; medians of 3 interleaved rounds). The other codecs' row paths are one call a pass and
-# keep their rows: per element they ran 1.4-3x slower at 65K elements.
+# 0.55x, 0.21x with 8; medians of 3 interleaved rounds, in one process, CPU only). The other codecs' row paths
+# are one call a pass and keep their rows: per element they ran 1.7-3.4x slower at 65K elements in 8 parameters
+# (qsgd 0.29x, gqsgd-exp 0.38x, top-k 0.58x; bench/results/codec_ab_small_buckets.md).
 MIN_PACKED_ROWS = 100
 # INT_LOADS: inductor's C++ (torch 2.13, AVX2) loads an integer vector through a scalar copy, 3-5x slower
 # than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
