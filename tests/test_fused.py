@@ -152,3 +152,36 @@ def test_exponential_ring_hop_is_identical_compiled_and_eager(monkeypatch):
     compiled = fused.exp_combine(a, b, key, 3, 127, torch.empty(2 * 4099))
     monkeypatch.setenv("NETGAIN_COMPILE", "0")
     assert torch.equal(compiled, fused.exp_combine(a, b, key, 3, 127, torch.empty(2 * 4099)))
+
+
+def test_every_bit_width_packs_compiled(monkeypatch):
+    """Each word layout is its own graph of the packing kernel; dynamo's recompile limit counts per
+    graph, so a plan that visits many widths never leaves one of them running eagerly."""
+    import logging
+
+    monkeypatch.setenv("NETGAIN_COMPILE", "1")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(fused, "MIN_PACKED_ROWS", 0)
+    limits = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            limits.extend(["recompile_limit" in message and "_round_pack_rows" in message])
+
+    handler = Catch()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        sizes = [4096, 4096]
+        s = Segments.build(sizes, [fused.name_key(f"w{i}") for i in range(len(sizes))], "cpu")
+        x, multiplier, keys = torch.randn(s.numel), torch.rand(2) * 40 + 1, fused.step_keys(s.keys, 2, 3, 1)
+        for layout, levels in ((fused.Words(torch.int32, 10, 3, 127), 127), (fused.Words(torch.int32, 6, 5, 7), 7)):
+            words = fused.round_pack(x, s, multiplier, keys, levels, layout,
+                                     torch.empty(layout.count(s.numel), dtype=layout.dtype))
+            expected = fused._round_elements.eager(x, torch.arange(s.numel), s.seg.long(), s.starts, multiplier, keys,
+                                                   levels)
+            decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, 1)
+            assert torch.equal(decoded, expected.float() * multiplier[s.seg.long()])
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not any(limits)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import types
 import zlib
 from dataclasses import dataclass, field
 
@@ -76,24 +77,33 @@ def _compiler_present(device_type: str) -> bool:
     return device_type == "cpu" and any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang"))
 
 
-def kernel(fn=None, *, options=COMPILE_OPTIONS):
+def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     """fn compiled (dynamic shapes: one compile serves every bucket size) or eager, chosen per device;
-    ``options``: inductor's, for this kernel (``@kernel(options=...)``)."""
+    ``options``: inductor's, for this kernel (``@kernel(options=...)``); ``variant``: for a kernel whose
+    graph changes with its arguments (a loop unrolled over a dimension), a function of the arguments
+    naming the graph. Each variant compiles its own copy of fn: dynamo counts recompiles per code object
+    and runs a function eagerly once it has 8 graphs, which gqsgd's 7 bit widths x 2 word halves reached,
+    so that after a Kimad plan had visited other widths the 8-bit packing ran eagerly."""
     if fn is None:
-        return functools.partial(kernel, options=options)
-    compiled = None
+        return functools.partial(kernel, options=options, variant=variant)
+    compiled = {}
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        nonlocal compiled
         if not compile_enabled(args[0].device):
             return fn(*args, **kwargs)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, options=options)
-        return compiled(*args, **kwargs)
+        key = variant(*args) if variant else None
+        if key not in compiled:
+            compiled[key] = torch.compile(_own_code(fn) if variant else fn, dynamic=True, options=options)
+        return compiled[key](*args, **kwargs)
 
     run.eager = fn
     return run
+
+
+def _own_code(fn):
+    """fn with a code object of its own, which dynamo caches and counts apart from fn's."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 # ---- counter-based noise ----------------------------------------------------------------------
@@ -331,7 +341,12 @@ class Words:
         return s.cache[key]
 
 
-@kernel(options=PACK_OPTIONS)
+def _pack_graph(half2d, x3d, *tables_and_fields):
+    """_round_pack_rows's graph: its fields, unrolled, and their ints (levels, offset, mask, width, shift)."""
+    return (x3d.shape[0], *tables_and_fields[-5:])
+
+
+@kernel(options=PACK_OPTIONS, variant=_pack_graph)
 def _round_pack_rows(half2d, x3d, split, column, base_first, base_second, mult_first, mult_second, key_first,
                      key_second, levels: int, offset: int, mask: int, width: int, shift: int) -> torch.Tensor:
     """32 bits of every word: fields from rows x3d[j] (per-row tables viewed (fields, rows)), field j
