@@ -19,7 +19,8 @@ As in bench/hook_lab.py, the workers start once per (rate, world size) cell and 
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
 round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time.
 `netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
-step timed here and the cell's lab link) is made before the run and always runs as a contestant;
+step timed here with every worker computing at once, as the lab's workers share the cores, codecs
+charged the same slowdown, and the cell's lab link) is made before the run and always runs as a contestant;
 with `--steps-from` earlier results' steps to target enter it (time to target = step time x steps).
 The CSV's `codec` and `steps_ratio` columns are what `netgain model --steps-from` reads (steps_ratio
 is empty unless the contestant reached the target in every round).
@@ -216,8 +217,10 @@ def worker(args) -> None:
 # ---------------------------------------------------------------- netgain model's pick, before the run
 
 
-def measure_compute(args, workers: int) -> float:
-    """Median forward + backward + AdamW step of one worker's batch, no DDP, cores / workers threads."""
+def compute_step(args, workers: int, barrier=None, results=None) -> float:
+    """Median forward + backward + AdamW step of one worker's batch, no DDP, cores / workers threads;
+    with a barrier, the timed steps start when every process passed its warm-up, and the median goes
+    to `results`."""
     import torch
 
     from netgain import data, models
@@ -230,6 +233,8 @@ def measure_compute(args, workers: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     times = []
     for step in range(args.warmup + 10):
+        if barrier is not None and step == args.warmup:
+            barrier.wait()
         ids = corpus.train_batch(args.seed, step, 0, workers, args.batch_size, args.seq_len)
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
@@ -237,7 +242,27 @@ def measure_compute(args, workers: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     torch.set_num_threads(threads)
-    return statistics.median(times[args.warmup:])
+    median = statistics.median(times[args.warmup:])
+    if results is not None:
+        results.put(median)
+    return median
+
+
+def measure_compute(args, workers: int) -> tuple[float, float]:
+    """(one worker's compute step timed in `workers` processes at once, as the lab's workers share this
+    machine's cores; the same step timed alone): the first is the pick's compute, their ratio how much
+    slower CPU work (the codec's too) runs in a lab worker than when calibrated alone."""
+    from multiprocessing import get_context
+
+    context = get_context("spawn")
+    barrier, results = context.Barrier(workers), context.Queue()
+    processes = [context.Process(target=compute_step, args=(args, workers, barrier, results)) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    shared = statistics.median(results.get(timeout=600) for _ in processes)
+    for process in processes:
+        process.join()
+    return shared, compute_step(args, workers)
 
 
 def lab_link(rate: str):
@@ -255,10 +280,15 @@ def lab_link(rate: str):
 
 
 @functools.cache
-def codec_profiles(workers: int, cost: str, shapes: tuple | None = None):
+def codec_profiles(workers: int, cost: str, shapes: tuple | None = None, slowdown: float = 1.0):
+    """netgain model's candidates, calibrated at a lab worker's threads (cores / workers) and charged
+    `slowdown` x their encode and decode: the lab's workers share the cores that calibration had alone."""
     from netgain.comm.codecs import candidate_profiles
 
-    return tuple(candidate_profiles(workers, cost, list(shapes) if shapes else None))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return tuple((dataclasses.replace(profile, encode_s_per_elem=profile.encode_s_per_elem * slowdown,
+                                      decode_s_per_elem=profile.decode_s_per_elem * slowdown), convergence)
+                 for profile, convergence in candidate_profiles(workers, cost, list(shapes) if shapes else None, threads))
 
 
 def codec_name(label: str) -> str:
@@ -281,20 +311,25 @@ def label_of(profile_name: str) -> str | None:
     return next((label for label in CONTESTANTS if CONTESTANTS[label] is not None and codec_name(label) == profile_name), None)
 
 
-def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s: float) -> dict:
+def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s: float, slowdown: float) -> dict:
     """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
-    on this model's own parameter shapes."""
+    on this model's own parameter shapes; compute_s: a worker's step with every worker computing at once,
+    slowdown: its ratio to the step alone (see measure_compute, codec_profiles)."""
     from netgain.cost import advise
 
     buckets, tensors, bucket_shapes = advise.model_buckets(shapes, args.bucket_mb, args.bucket_mb)
+    # the lab's per-message latency is this machine's CPU time (veth pairs, gloo's threads), fitted on
+    # collectives timed alone: slowed like any CPU work when the workers share the cores
     link = lab_link(rate)
+    link = dataclasses.replace(link, latency=link.latency * slowdown, overhead=link.overhead * slowdown)
     calibration = advise.calibration_shapes(bucket_shapes, workers)
     rows = advise.evaluate(buckets, workers, link, compute_s,
-                           list(codec_profiles(workers, args.codec_cost, tuple(calibration))), "auto", tensors, bucket_shapes,
+                           list(codec_profiles(workers, args.codec_cost, tuple(calibration), slowdown)), "auto", tensors, bucket_shapes,
                            codec_shares_compute=True,  # lab workers: their threads fill the cores
                            steps=advise.read_steps(args.steps_from, workers) if args.steps_from else None)
     chosen = advise.recommend(rows)
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
+            "slowdown": slowdown,
             "codec": chosen.profile.name, "label": label_of(chosen.profile.name),
             "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup,
             "steps_from": args.steps_from, "steps": chosen.steps}
@@ -400,6 +435,14 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def compute_note(chosen: dict) -> str:
+    """How a pick's compute was timed (results before the slowdown was measured: alone)."""
+    if "slowdown" not in chosen:
+        return "timed here"
+    return (f"timed with every worker computing at once, {chosen['slowdown']:.2f}x the step alone; codec cost "
+            f"calibrated alone at a worker's threads, and the link's per-message latency, charged the same factor")
+
+
 def report(rows, summary, picks, meta, out: Path) -> None:
     from provenance import write_csv
 
@@ -440,7 +483,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                   f"**{chosen['codec']}** "
                   f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
                   f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
-                  f"(timed here), codec cost {meta['codec_cost']}"
+                  f"({compute_note(chosen)}), codec cost {meta['codec_cost']}"
                   + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
                      if chosen.get("steps") is not None else "") + ".", "",
                   "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
@@ -519,9 +562,9 @@ def main(argv=None) -> int:
     shapes = [tuple(p.shape) for p in models.byte_llama(args.hidden, args.layers, args.seq_len).parameters()]
     picks, compute, load = {}, {}, {"before the picks": wait_for_quiet(wait_s=args.quiet_wait)}
     for workers in args.workers:
-        compute[workers] = measure_compute(args, workers)
+        compute[workers], alone = measure_compute(args, workers)
         for rate in args.rates:
-            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers])
+            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers], compute[workers] / alone)
             print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
                   f"(contestant {picks[(rate, workers)]['label']})", flush=True)
     rows = []

@@ -638,15 +638,15 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     return dataclasses.replace(profile, encode_s_per_elem=enc / numel, decode_s_per_elem=dec / numel)
 
 
-def candidate_profiles(world_size: int, cost: "str | GPU",
-                       shapes: list[tuple[int, ...]] | None = None) -> list[tuple[network.CodecProfile, str]]:
+def candidate_profiles(world_size: int, cost: "str | GPU", shapes: list[tuple[int, ...]] | None = None,
+                       threads: int | None = None) -> list[tuple[network.CodecProfile, str]]:
     """(profile, convergence) of every codec in SETTINGS that runs at ``world_size``: what `netgain model`
-    weighs; ``shapes``: the parameters to calibrate on (see codec_profile)."""
+    weighs; ``shapes``, ``threads``: what to calibrate on, and with (see codec_profile)."""
     out = []
     for name, params in SETTINGS:
         codec = make_codec(name, **params)
         try:
-            out.append((codec_profile(codec, world_size, cost, shapes=shapes), codec.convergence))
+            out.append((codec_profile(codec, world_size, cost, threads=threads, shapes=shapes), codec.convergence))
         except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
             continue
     return out
