@@ -479,3 +479,12 @@ def test_cli_steps_from_prints_time_to_target(tmp_path, capsys):
         cli.main(["model", "--params", "1e7", "--workers", "2", "--link", "lab-100mbit", "--compute-ms", "50",
                   "--steps-from", str(tmp_path / "none.csv")])
     assert "--steps-from" in capsys.readouterr().err
+
+
+def test_casts_are_eligible_sparsifiers_only_when_biased_is_allowed():
+    """16-bit casts round every element to within half a unit in its last place (0.97-0.99x fp32's steps
+    to the target on the lab), so the recommendation weighs them; top-k and random-k only when asked."""
+    rows = advise.evaluate(net.even_buckets(1e8), 4, net.preset("10gbe"), 0.1, candidate_profiles(4, "free"))
+    names = {r.profile.name.split("(")[0] for r in advise.eligible(rows)}
+    assert {"fp16", "bf16", "gqsgd", "lowrank", "none"} <= names and not names & {"topk", "randomk"}
+    assert {"topk", "randomk"} <= {r.profile.name.split("(")[0] for r in advise.eligible(rows, biased=True)}

@@ -104,7 +104,8 @@ class Codec:
     def convergence(self) -> str:
         """What keeps training on course: "unbiased" (an estimate of the mean with bounded variance),
         "low-rank" (error feedback of a low-rank projection: PowerSGD's accuracy matches SGD's at
-        rank >= 2), or "biased" (casts, sparsifiers: step time says nothing of their steps to a loss)."""
+        rank >= 2), "rounded" (16-bit casts: every element within half a unit in the last place), or
+        "biased" (sparsifiers: step time says nothing of their steps to a loss)."""
         return "unbiased" if self.unbiased else "biased"
 
     def local_scales(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -172,6 +173,7 @@ class Cast(Codec):
     """
 
     collective, unbiased, needs_scales = "allreduce", False, False
+    convergence = "rounded"  # bench/time_to_accuracy.py: 0.97-0.99x fp32's steps to the target (fp16, bf16)
 
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
@@ -527,18 +529,9 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device)
     if shapes is not None and sum(math.prod(shape) for shape in shapes) != numel:
         raise ValueError(f"shapes: their sizes add up to {sum(math.prod(shape) for shape in shapes)}, not numel={numel}")
-    sizes = [math.prod(shape) for shape in shapes] if shapes is not None else _part_sizes(numel, parameters)
-    shapes = list(shapes) if shapes is not None else [_squarest(size) for size in sizes]
-    parameters = len(sizes)
-    names = [f"p{i}" for i in range(parameters)]
-    segments = Segments.build(sizes, [fused.name_key(name) for name in names], device)
-    spans = [(start, size) for start, size in zip(segments.starts.tolist(), sizes)]
-    layout = BucketLayout(names, spans, segments, shapes=shapes)
-    memory = None
-    if codec.uses_feedback:
-        memory, shared_spans = codec.memory(layout, device)
-        for name, (at, size) in zip(names, shared_spans):
-            codec.fill_shared(name, memory.shared[at:at + size])
+    shapes = list(shapes) if shapes is not None else [_squarest(size) for size in _part_sizes(numel, parameters)]
+    layout, memory = bucket_layout(codec, shapes, device)
+    segments = layout.segments
     cuda = x.is_cuda
     encode_s, decode_s = [], []
     for trial in range(repeats + 1):
@@ -571,6 +564,22 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
             encode_s.append(ctx.seconds["encode_s"])
             decode_s.append(ctx.seconds["decode_s"])
     return {"encode_s": sorted(encode_s)[repeats // 2], "decode_s": sorted(decode_s)[repeats // 2]}
+
+
+def bucket_layout(codec: Codec, shapes: list[tuple[int, ...]], device="cpu") -> tuple[BucketLayout, object]:
+    """One bucket of parameters of these shapes as the hook lays it out, and the codec's error-feedback
+    memory for it (warm start filled; None without feedback): to time or replay a codec outside training."""
+    sizes = [math.prod(shape) for shape in shapes]
+    names = [f"p{i}" for i in range(len(sizes))]
+    segments = Segments.build(sizes, [fused.name_key(name) for name in names], device)
+    spans = [(start, size) for start, size in zip(segments.starts.tolist(), sizes)]
+    layout = BucketLayout(names, spans, segments, shapes=list(shapes))
+    memory = None
+    if codec.uses_feedback:
+        memory, shared_spans = codec.memory(layout, device)
+        for name, (at, size) in zip(names, shared_spans):
+            codec.fill_shared(name, memory.shared[at:at + size])
+    return layout, memory
 
 
 def bucket_wire_bits(codec: Codec, numel: int, world_size: int, parameters: int = 1) -> float:

@@ -32,7 +32,7 @@ class Row:
     profile: net.CodecProfile
     prediction: net.Prediction
     speedup: float
-    convergence: str  # "unbiased", "low-rank" (error feedback) or "biased": see CONVERGES
+    convergence: str  # "unbiased", "low-rank" (error feedback), "rounded" (16-bit casts) or "biased": see CONVERGES
     steps: float | None = None  # steps to the target loss / fp32's (inf: never reached); None: not measured
 
     @property
@@ -41,7 +41,7 @@ class Row:
         return self.prediction.step_s * (1.0 if self.steps is None else self.steps)
 
 
-CONVERGES = ("unbiased", "low-rank")  # recommended without --allow-biased
+CONVERGES = ("unbiased", "low-rank", "rounded")  # recommended without --allow-biased
 STEPS_COLUMNS = ("workers", "codec", "steps_ratio")
 
 
@@ -190,8 +190,9 @@ def recommend(rows: list[Row], tolerance: float = DEFAULT_TOLERANCE, biased: boo
     Step time says nothing of convergence. An unbiased code keeps SGD's guarantees (its variance is
     bounded); low rank with error feedback matches SGD's accuracy at rank >= 2 (PowerSGD), and on
     bench/time_to_accuracy.py's cells rank 4 took 1.09-1.27x fp32's steps to its loss with fp32
-    factors, 1.21-1.52x with 8-bit ones. A biased one
-    (top-k, random-k, 16-bit casts) may need many more steps or never get there (random-k 1%,
+    factors, 1.21-1.52x with 8-bit ones. A 16-bit cast rounds each element to within half a unit in
+    its last place (2^-11 relative for fp16): fp16 and bf16 took 0.97-0.99x fp32's steps there. A
+    biased one (top-k, random-k) may need many more steps or never get there (random-k 1%,
     predicted at 10.3x fp32's step speed on the 100 Mbit/s cell, never reached fp32's loss).
     """
     if tolerance < 0:
@@ -257,9 +258,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "library runs: the faster per message as NCCL picks, gloo's ring on the lab "
                         "presets (default auto)")
     parser.add_argument("--allow-biased", action="store_true",
-                        help="let the recommendation be a biased codec (top-k/random-k, 16-bit casts), whose "
-                        "convergence the step time does not show; default: unbiased codecs and low rank "
-                        "with error feedback only")
+                        help="let the recommendation be a biased codec (top-k/random-k), whose "
+                        "convergence the step time does not show; default: unbiased codecs, 16-bit casts "
+                        "and low rank with error feedback only")
     parser.add_argument("--steps-from", nargs="+", metavar="CSV",
                         help="measured steps to a target loss per codec (columns workers, codec, steps_ratio: "
                         "steps / fp32's; bench/time_to_accuracy.py's CSV has them): the recommendation is then "
