@@ -3,14 +3,16 @@
 Why: a model that recommends codecs is only worth its measured error, and a step-time error can
 hide a communication error when compute dominates the step. Every (workers, rate, codec) row:
 - communication: the row's per-step collectives (for each DDP bucket of the job's model: the
-  header allreduce MAX of P + 3 floats if the codec has one, then the payload collective with the
-  dtype and size the codec's own encode produces) timed alone on the lab
+  header allreduce MAX of its scales + 3 floats if the codec has one, then the payload collective
+  with the dtype and size the codec's own encode produces, and low rank's later rounds as its relay
+  produces them) timed alone on the lab
   (bench/lab_collectives.py), against netgain.cost.network.predict's comm_s for the same buckets;
 - step: `netgain train` for a few steps, its median step time against predict from (a) the
   compute-bound limit (no rate limit, no compression) and (b) the row's own compute; and the
   hook's own comm_s in training beside both.
 
     python bench/model_validation.py --workers 2 --rows /tmp/mv.jsonl   # one quiet window
+    python bench/model_validation.py --codecs lowrank:r4:fp32 lowrank:r4:gqsgd:8  # rank 4, fp32 / 8-bit factors
     python bench/model_validation.py --report /tmp/mv.jsonl             # md + csv of all rows
 Writes bench/results/model_validation.{md,csv}. Root needed for the lab.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -40,12 +43,17 @@ DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "gqsgd:4", "
 
 
 def parse_codec(spec: str) -> tuple[str, dict]:
-    """'gqsgd:8:int8' -> ('gqsgd', {'bits': 8, 'encoding': 'int8'}); 'topk:0.01' -> ratio."""
+    """'gqsgd:8:int8' -> ('gqsgd', {'bits': 8, 'encoding': 'int8'}); 'topk:0.01' -> ratio;
+    'lowrank:r4:fp32' -> rank and factors ('lowrank:r4:gqsgd:8': 8-bit factors)."""
     name, *rest = spec.split(":")
     params: dict = {}
     for value in rest:
         if value in ("int8", "packed"):
             params["encoding"] = value
+        elif value in ("fp32", "gqsgd"):
+            params["factors"] = value
+        elif value.startswith("r") and value[1:].isdigit():
+            params["rank"] = int(value[1:])
         elif "." in value:
             params["ratio"] = float(value)
         else:
@@ -55,8 +63,8 @@ def parse_codec(spec: str) -> tuple[str, dict]:
     return name, params
 
 
-def model_buckets(train_args: list[str]) -> list[list[int]]:
-    """Parameter sizes of each DDP bucket of the job's model, buckets in ready order."""
+def model_buckets(train_args: list[str]) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes of each DDP bucket of the job's model, buckets in ready order."""
     from netgain import models
 
     opts = argparse.ArgumentParser(add_help=False)
@@ -64,37 +72,42 @@ def model_buckets(train_args: list[str]) -> list[list[int]]:
     opts.add_argument("--layers", type=int, default=4)
     opts.add_argument("--seq-len", type=int, default=128)
     known, _ = opts.parse_known_args(train_args)
-    sizes = [p.numel() for p in models.byte_llama(known.hidden_size, known.layers, known.seq_len).parameters()]
-    ready = sizes[::-1]
+    shapes = [tuple(p.shape) for p in models.byte_llama(known.hidden_size, known.layers, known.seq_len).parameters()]
+    ready = shapes[::-1]
     out, at = [], 0
-    for _, count in net.ddp_bucket_layout(sizes):
+    for _, count in net.ddp_bucket_layout([math.prod(shape) for shape in shapes]):
         out.append(ready[at:at + count])
         at += count
     return out
 
 
-def step_ops(codec, buckets: list[list[int]], n: int) -> list[dict]:
-    """The collectives the hook issues in one step: per bucket, its header then its payload."""
+def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
+    """The collectives the hook issues in one step: per bucket, its header (max |g| per scale + 3 floats),
+    then its payload, then low rank's later rounds (Q's scales, Q), as the codec itself produces them."""
     import torch
+    import torch.distributed as dist
 
     from netgain.comm import fused
-    from netgain.comm.codecs import Context
-    from netgain.comm.feedback import EF21
+    from netgain.comm.codecs import Context, bucket_layout
 
     ops = []
-    for sizes in buckets:
-        numel = sum(sizes)
-        segments = fused.Segments.build(sizes, [fused.name_key(f"p{i}") for i in range(len(sizes))], "cpu")
+    for shapes in buckets:
+        layout, memory = bucket_layout(codec, shapes)
+        segments = layout.segments
         ctx = Context(n, segments, fused.step_keys(segments.keys, 0, 0, 0), fused.step_keys(segments.keys, 0, 0, -1),
-                      feedback=EF21(numel, torch.device("cpu")) if codec.uses_feedback else None)
-        x = torch.randn(numel)
+                      tables=layout.tables, feedback=memory, layout=layout)
+        x = torch.randn(segments.numel)
         if codec.needs_header:
-            ops.append({"op": "allreduce_max", "dtype": "float32", "numel": len(sizes) + 3})
-        if codec.needs_scales:
-            ctx.scales = codec.local_scales(x, ctx)
-        payload = codec.encode(x, ctx)
-        ops.append({"op": "allgather" if codec.collective == "allgather" else "allreduce",
-                    "dtype": str(payload.dtype).removeprefix("torch."), "numel": payload.numel()})
+            scales = codec.local_scales(x, ctx)
+            ops.append({"op": "allreduce_max", "dtype": "float32", "numel": scales.numel() + 3})
+            ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        payload, op = codec.encode(x, ctx), dist.ReduceOp.SUM
+        for round_ in range(codec.rounds(ctx)):
+            kind = "allgather" if codec.collective == "allgather" else "allreduce"
+            ops.append({"op": "allreduce_max" if op == dist.ReduceOp.MAX else kind,
+                        "dtype": str(payload.dtype).removeprefix("torch."), "numel": payload.numel()})
+            if round_ < codec.rounds(ctx) - 1:  # a one-rank "sum" has the sizes the next round needs
+                payload, op = codec.relay(payload, ctx)
     return ops
 
 
@@ -102,10 +115,9 @@ def row(n: int, rate: str, profile: net.CodecProfile, buckets: list[list[int]], 
         replay_s: float) -> dict:
     """One validation row: measured beside predicted communication and step time."""
     link = net.preset(net.lab_preset_name(rate))
-    numels, tensors = [sum(b) for b in buckets], [len(b) for b in buckets]
-    alone = net.predict(numels, n, link, profile, 0.0, tensors=tensors)
-    p = net.predict(numels, n, link, profile, limit["compute_s"], tensors=tensors)
-    own = net.predict(numels, n, link, profile, m["compute_s"], tensors=tensors)
+    numels, tensors = [sum(map(math.prod, b)) for b in buckets], [len(b) for b in buckets]
+    alone, p, own = (net.predict(numels, n, link, profile, compute, tensors=tensors, shapes=buckets)
+                     for compute in (0.0, limit["compute_s"], m["compute_s"]))
     out = {"workers": n, "rate": rate, "codec": profile.name,
            "measured_comm_s": replay_s, "predicted_comm_s": alone.comm_s,
            "comm_error": (alone.comm_s - replay_s) / replay_s,
@@ -133,8 +145,8 @@ def run_window(args, train_args: list[str]) -> list[dict]:
         print(f"n={n}: compute-bound step {limit['step_s']:.3f} s, compute {limit['compute_s']:.3f} s", flush=True)
         made = [make_codec(name, **params) for _, name, params in codecs]
         items = [step_ops(codec, buckets, n) for codec in made]
-        profiles = [codec_profile(codec, n, "calibrate", calibration_numel=max(map(sum, buckets)),
-                                  threads=threads_per_worker(n)) for codec in made]
+        largest = max(buckets, key=lambda shapes: sum(map(math.prod, shapes)))
+        profiles = [codec_profile(codec, n, "calibrate", threads=threads_per_worker(n), shapes=largest) for codec in made]
         for rate in args.rates:
             replays = lab_collectives.run(n, rate, items, repeats=args.repeats)
             for (spec, name, params), profile, seconds in zip(codecs, profiles, replays):
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--repeats", str(args.repeats), *(["--", *train_args] if train_args else [])])
     window = {"commit": git_commit(), "command": command, "load_1min_before": load_before[0],
               "load_1min_after": os.getloadavg()[0], "steps": args.steps, "repeats": args.repeats,
-              "params": sum(map(sum, model_buckets(train_args))), "buckets": len(model_buckets(train_args))}
+              "params": sum(math.prod(shape) for b in model_buckets(train_args) for shape in b), "buckets": len(model_buckets(train_args))}
     with open(args.rows, "a") as f:
         for r in rows:
             f.write(json.dumps({**r, **window}) + "\n")
@@ -206,9 +218,10 @@ def write_report(rows: list[dict], out: Path) -> None:
         "",
         "**Measured communication** is the row's per-step collectives timed alone on the same lab "
         "(bench/lab_collectives.py): for each DDP bucket, in ready order, the hook's header "
-        "(allreduce MAX of P + 3 float32, P = parameters in the bucket; codecs with a header only) "
-        "then the payload collective with the dtype and element count that the codec's own encode "
-        "returns; every repeat starts after a barrier and a pause that refills the token bucket, as "
+        "(allreduce MAX of its S scales + 3 float32, S = parameters in the bucket, plus low rank's "
+        "8-bit factor columns; codecs with a header only) then the payload collective with the dtype and "
+        "element count that the codec's own encode returns (low rank: P's, then, for 8-bit factors, a "
+        "MAX of Q's column scales, then Q's, as its own relay returns them); every repeat starts after a barrier and a pause that refills the token bucket, as "
         f"a step's compute does; mean over {rows[0]['repeats']} repeats and over ranks (a small "
         "collective on this machine takes either about 0.4 ms or 3-5 ms, with or without the shaper: "
         "the mean is what steps pay). This "
