@@ -130,12 +130,13 @@ def lab_cell(script: Path, flags: list[str], rate: str, workers: int, timeout: f
     """
     from lab import Lab
     from provenance import wait_for_quiet
+    from runs import threads_per_worker
 
     load = wait_for_quiet(wait_s=quiet_wait_s)
     with tempfile.TemporaryDirectory(prefix="netgain-lab-cell-") as folder:
         out = Path(folder) / "rows.json"
         cmd = [sys.executable, str(script.resolve()), "--worker", "--worker-out", str(out),
-               "--threads", str(max(1, (os.cpu_count() or 1) // workers)), *flags]
+               "--threads", str(threads_per_worker(workers)), *flags]
         with Lab(workers, None if rate == "none" else rate) as lab:
             codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=timeout)
         if any(codes):

@@ -102,8 +102,8 @@ def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
             ops.append({"op": "allreduce_max", "dtype": "float32", "numel": scales.numel() + 3})
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         payload, op = codec.encode(x, ctx), dist.ReduceOp.SUM
-        for round_ in range(codec.rounds(ctx)):
-            kind = "allgather" if codec.collective == "allgather" else "allreduce"
+        for round_ in range(codec.rounds(ctx)):  # later rounds are allreduces (hooks.py's relay loop)
+            kind = "allgather" if codec.collective == "allgather" and not round_ else "allreduce"
             ops.append({"op": "allreduce_max" if op == dist.ReduceOp.MAX else kind,
                         "dtype": str(payload.dtype).removeprefix("torch."), "numel": payload.numel()})
             if round_ < codec.rounds(ctx) - 1:  # a one-rank "sum" has the sizes the next round needs
@@ -111,7 +111,7 @@ def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
     return ops
 
 
-def row(n: int, rate: str, profile: net.CodecProfile, buckets: list[list[int]], limit: dict, m: dict,
+def row(n: int, rate: str, profile: net.CodecProfile, buckets: list[list[tuple[int, ...]]], limit: dict, m: dict,
         replay_s: float) -> dict:
     """One validation row: measured beside predicted communication and step time."""
     link = net.preset(net.lab_preset_name(rate))
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--rates", nargs="+", default=list(net.LAB_RATES), choices=list(net.LAB_RATES))
     parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
-                        help="name[:bits][:int8|packed][:ratio], e.g. gqsgd:8:int8, topk:0.01")
+                        help="name[:bits][:int8|packed][:ratio], e.g. gqsgd:8:int8, topk:0.01; low rank: "
+                        "lowrank:rRANK:fp32|gqsgd[:bits], e.g. lowrank:r4:gqsgd:8")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=41, help="repeats of each step's collectives alone")
     parser.add_argument("--rows", default=str(HERE / "results" / "model_validation.jsonl"),
@@ -185,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python bench/model_validation.py", "--workers", *map(str, args.workers),
                         "--rates", *args.rates, "--codecs", *args.codecs, "--steps", str(args.steps),
                         "--repeats", str(args.repeats), *(["--", *train_args] if train_args else [])])
+    layout = model_buckets(train_args)
     window = {"commit": git_commit(), "command": command, "load_1min_before": load_before[0],
               "load_1min_after": os.getloadavg()[0], "steps": args.steps, "repeats": args.repeats,
-              "params": sum(math.prod(shape) for b in model_buckets(train_args) for shape in b), "buckets": len(model_buckets(train_args))}
+              "params": sum(math.prod(shape) for bucket in layout for shape in bucket), "buckets": len(layout)}
     with open(args.rows, "a") as f:
         for r in rows:
             f.write(json.dumps({**r, **window}) + "\n")
@@ -218,8 +220,8 @@ def write_report(rows: list[dict], out: Path) -> None:
         "",
         "**Measured communication** is the row's per-step collectives timed alone on the same lab "
         "(bench/lab_collectives.py): for each DDP bucket, in ready order, the hook's header "
-        "(allreduce MAX of its S scales + 3 float32, S = parameters in the bucket, plus low rank's "
-        "8-bit factor columns; codecs with a header only) then the payload collective with the dtype and "
+        "(allreduce MAX of its S scales + 3 float32, S = parameters in the bucket; for low rank's 8-bit "
+        "factors, P's columns: rank per compressed matrix and one per other parameter; codecs with a header only) then the payload collective with the dtype and "
         "element count that the codec's own encode returns (low rank: P's, then, for 8-bit factors, a "
         "MAX of Q's column scales, then Q's, as its own relay returns them); every repeat starts after a barrier and a pause that refills the token bucket, as "
         f"a step's compute does; mean over {rows[0]['repeats']} repeats and over ranks (a small "

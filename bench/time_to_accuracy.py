@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 
 from hook_lab import (LINKS, add_ratios, format_ratio, lab_cell, machine, per_contestant,  # noqa: E402
                       register_contestant)
+from runs import threads_per_worker  # noqa: E402
 
 # label -> how the contestant's hook is registered ("ddp": plain DDP, no hook; "bf16-hook": PyTorch's
 # bf16_compress_hook, which netgain.comm.baselines does not wrap). Not here: batched_powerSGD_hook,
@@ -227,7 +228,7 @@ def compute_step(args, workers: int, barrier=None, results=None) -> float:
 
     corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(threads_per_worker(workers))
     torch.manual_seed(0)
     model = models.byte_llama(args.hidden, args.layers, args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -251,18 +252,32 @@ def compute_step(args, workers: int, barrier=None, results=None) -> float:
 def measure_compute(args, workers: int) -> tuple[float, float]:
     """(one worker's compute step timed in `workers` processes at once, as the lab's workers share this
     machine's cores; the same step timed alone): the first is the pick's compute, their ratio how much
-    slower CPU work (the codec's too) runs in a lab worker than when calibrated alone."""
+    slower CPU work (the codec's too) runs in a lab worker than when calibrated alone. A process that
+    dies raises here with the exit codes, and breaks the others' barrier."""
+    import queue
     from multiprocessing import get_context
 
     context = get_context("spawn")
-    barrier, results = context.Barrier(workers), context.Queue()
-    processes = [context.Process(target=compute_step, args=(args, workers, barrier, results)) for _ in range(workers)]
+    barrier, results = context.Barrier(workers, timeout=600), context.Queue()
+    processes = [context.Process(target=compute_step, args=(args, workers, barrier, results), daemon=True)
+                 for _ in range(workers)]
     for process in processes:
         process.start()
-    shared = statistics.median(results.get(timeout=600) for _ in processes)
-    for process in processes:
-        process.join()
-    return shared, compute_step(args, workers)
+    try:
+        medians = []
+        while len(medians) < workers:
+            try:
+                medians.append(results.get(timeout=5))
+            except queue.Empty:
+                failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"timing the compute step: a worker process failed (exit codes {failed})") from None
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+    return statistics.median(medians), compute_step(args, workers)
 
 
 def lab_link(rate: str):
@@ -285,7 +300,7 @@ def codec_profiles(workers: int, cost: str, shapes: tuple | None = None, slowdow
     `slowdown` x their encode and decode: the lab's workers share the cores that calibration had alone."""
     from netgain.comm.codecs import candidate_profiles
 
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads_per_worker(workers)
     return tuple((dataclasses.replace(profile, encode_s_per_elem=profile.encode_s_per_elem * slowdown,
                                       decode_s_per_elem=profile.decode_s_per_elem * slowdown), convergence)
                  for profile, convergence in candidate_profiles(workers, cost, list(shapes) if shapes else None, threads))
@@ -435,12 +450,13 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def compute_note(chosen: dict) -> str:
+def compute_note(chosen: dict, codec_cost: str) -> str:
     """How a pick's compute was timed (results before the slowdown was measured: alone)."""
     if "slowdown" not in chosen:
         return "timed here"
-    return (f"timed with every worker computing at once, {chosen['slowdown']:.2f}x the step alone; codec cost "
-            f"calibrated alone at a worker's threads, and the link's per-message latency, charged the same factor")
+    charged = "codec cost calibrated alone at a worker's threads, and " if codec_cost == "calibrate" else ""
+    return (f"timed with every worker computing at once, {chosen['slowdown']:.2f}x the step alone; "
+            f"{charged}the link's per-message latency charged the same factor")
 
 
 def report(rows, summary, picks, meta, out: Path) -> None:
@@ -483,7 +499,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                   f"**{chosen['codec']}** "
                   f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
                   f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
-                  f"({compute_note(chosen)}), codec cost {meta['codec_cost']}"
+                  f"({compute_note(chosen, meta['codec_cost'])}), codec cost {meta['codec_cost']}"
                   + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
                      if chosen.get("steps") is not None else "") + ".", "",
                   "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
@@ -564,7 +580,8 @@ def main(argv=None) -> int:
     for workers in args.workers:
         compute[workers], alone = measure_compute(args, workers)
         for rate in args.rates:
-            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers], compute[workers] / alone)
+            # sharing the cores cannot speed a worker up: below 1 is noise (2 workers: 0.91-1.07)
+            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers], max(1.0, compute[workers] / alone))
             print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
                   f"(contestant {picks[(rate, workers)]['label']})", flush=True)
     rows = []

@@ -175,7 +175,8 @@ def test_every_bit_width_packs_compiled(monkeypatch):
         sizes = [4096, 4096]
         s = Segments.build(sizes, [fused.name_key(f"w{i}") for i in range(len(sizes))], "cpu")
         x, multiplier, keys = torch.randn(s.numel), torch.rand(2) * 40 + 1, fused.step_keys(s.keys, 2, 3, 1)
-        for layout, levels in ((fused.Words(torch.int32, 10, 3, 127), 127), (fused.Words(torch.int32, 6, 5, 7), 7)):
+        # layouts no codec produces: no other test compiled these graphs at another size
+        for layout, levels in ((fused.Words(torch.int32, 9, 3, 100), 100), (fused.Words(torch.int32, 7, 4, 50), 50)):
             words = fused.round_pack(x, s, multiplier, keys, levels, layout,
                                      torch.empty(layout.count(s.numel), dtype=layout.dtype))
             expected = fused._round_elements.eager(x, torch.arange(s.numel), s.seg.long(), s.starts, multiplier, keys,

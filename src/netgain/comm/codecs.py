@@ -104,7 +104,7 @@ class Codec:
     def convergence(self) -> str:
         """What keeps training on course: "unbiased" (an estimate of the mean with bounded variance),
         "low-rank" (error feedback of a low-rank projection: PowerSGD's accuracy matches SGD's at
-        rank >= 2), "rounded" (16-bit casts: every element within half a unit in the last place), or
+        rank >= 2), "rounded" (16-bit casts: each addition rounds to within half a unit in the last place), or
         "biased" (sparsifiers: step time says nothing of their steps to a loss)."""
         return "unbiased" if self.unbiased else "biased"
 

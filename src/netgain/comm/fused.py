@@ -92,7 +92,7 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     def run(*args, **kwargs):
         if not compile_enabled(args[0].device):
             return fn(*args, **kwargs)
-        key = variant(*args) if variant else None
+        key = variant(*args, **kwargs) if variant else None
         if key not in compiled:
             compiled[key] = torch.compile(_own_code(fn) if variant else fn, dynamic=True, options=options)
         return compiled[key](*args, **kwargs)
@@ -103,7 +103,9 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
 
 def _own_code(fn):
     """fn with a code object of its own, which dynamo caches and counts apart from fn's."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
+    return copy
 
 
 # ---- counter-based noise ----------------------------------------------------------------------
@@ -342,7 +344,8 @@ class Words:
 
 
 def _pack_graph(half2d, x3d, *tables_and_fields):
-    """_round_pack_rows's graph: its fields, unrolled, and their ints (levels, offset, mask, width, shift)."""
+    """_round_pack_rows's variant: its fields, unrolled, and its ints (levels, offset, mask, width, shift),
+    on which the graph's guards fall."""
     return (x3d.shape[0], *tables_and_fields[-5:])
 
 

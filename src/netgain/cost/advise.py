@@ -190,8 +190,9 @@ def recommend(rows: list[Row], tolerance: float = DEFAULT_TOLERANCE, biased: boo
     Step time says nothing of convergence. An unbiased code keeps SGD's guarantees (its variance is
     bounded); low rank with error feedback matches SGD's accuracy at rank >= 2 (PowerSGD), and on
     bench/time_to_accuracy.py's cells rank 4 took 1.09-1.27x fp32's steps to its loss with fp32
-    factors, 1.21-1.52x with 8-bit ones. A 16-bit cast rounds each element to within half a unit in
-    its last place (2^-11 relative for fp16): fp16 and bf16 took 0.97-0.99x fp32's steps there. A
+    factors, 1.21-1.52x with 8-bit ones. A 16-bit cast rounds each element, and each addition of the
+    sum, to within half a unit in the last place (2^-11 relative for fp16, 2^-8 for bf16): fp16 and
+    bf16 took 0.97-0.99x fp32's steps there. A
     biased one (top-k, random-k) may need many more steps or never get there (random-k 1%,
     predicted at 10.3x fp32's step speed on the 100 Mbit/s cell, never reached fp32's loss).
     """
