@@ -202,6 +202,11 @@ def test_bad_planner_arguments():
 
 
 def planner_on_link(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6, overruns=()):
+    """The plan of a planner whose agreed inputs are set by hand (`solved_planner`)."""
+    return [codec.describe() for _, codec in solved_planner(mode, budget_s, relative, numels, bandwidth, overruns).plan.values()]
+
+
+def solved_planner(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6, overruns=()):
     """A planner whose agreed inputs are set by hand: options none, gqsgd 8/4/2, top-k 0.01 (EF21)."""
     planner = AdaptivePlanner(mode, time_budget_s=budget_s, bits=(8, 4, 2), topk_ratios=(0.01,), max_error=0.05)
     planner.monitor.update(bandwidth, 0.0, 0.0)
@@ -212,7 +217,7 @@ def planner_on_link(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6, 
         planner.relative[index] = list(relative)
         planner.errors[index] = list(relative)
     planner._solve(2)
-    return [codec.describe() for _, codec in planner.plan.values()]
+    return planner
 
 
 # relative error of the mean per option: none, gqsgd 8, 4, 2, top-k 0.01 (biased, the least error here)
@@ -238,6 +243,17 @@ def test_plan_never_picks_an_unsafe_option_when_nothing_fits():
     unsafe_topk = (0.0, 0.001, 0.03, 2.0, 0.7)
     for mode in ("kimad", "kimad+"):
         assert planner_on_link(mode, 0.01, unsafe_topk, numels=(100_000, 50_000)) == ["gqsgd(bits=4,encoding=packed)"] * 2
+
+
+def test_planner_says_when_no_safe_plan_fits():
+    """The user learns the budget will be missed, why, and what to change; a plan that fits says nothing."""
+    assert solved_planner("kimad+", 0.2, RELATIVE).fits
+    unsafe_topk = (0.0, 0.001, 0.03, 2.0, 0.7)
+    planner = solved_planner("kimad", 0.01, unsafe_topk)
+    assert not planner.fits
+    message = planner.unfit_message()
+    assert "no plan within max_error=0.05 fits the 10 ms budget" in message and "8 Mbit/s" in message
+    assert "or use kimad+" in message and "use kimad+" not in solved_planner("kimad+", 0.01, unsafe_topk).unfit_message()
 
 
 def test_plan_takes_a_safe_biased_option_when_no_unbiased_one_fits():

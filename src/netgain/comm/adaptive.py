@@ -20,7 +20,8 @@ gradient is at most `max_error` of the gradient's energy (an unbiased code's ind
 averages down over n ranks, a biased one's does not). Among admissible options the plan prefers
 the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budget, then any
 admissible one that fits, the least total error first; when nothing admissible fits, each bucket
-takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive.
+takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive,
+and rank 0 warns (RuntimeWarning) when the plan stops fitting; `plan_fits` in each step's statistics.
 Every input to the solver is agreed by collectives, so every rank computes the same plan; the
 hook's header checks it bucket by bucket.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 
 import torch
 
@@ -83,6 +85,7 @@ class AdaptivePlanner:
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
+        self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
         self.last: dict = {}
 
     # ---- per bucket, on the communication thread -------------------------------------------------
@@ -140,15 +143,26 @@ class AdaptivePlanner:
             self._agree_errors(link)
         replanned = bandwidth is not None and bool(self.errors) and (measured or self._link_moved())
         if replanned:
+            fitted = self.fits
             self._agree_profiles(link)
             self._solve(link.world_size)
+            if fitted and not self.fits and link.rank == 0:
+                warnings.warn(self.unfit_message(), RuntimeWarning, stacklevel=2)
         self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                      "budget_s": self.budget_s(), "margin": self.margin(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
                      "plan_error": max((self.relative[i][self.options.index(codec)]
                                         for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
-                     "predicted_comm_s": self._predicted}
+                     "predicted_comm_s": self._predicted, "plan_fits": self.fits}
         return self.last
+
+    def unfit_message(self) -> str:
+        """Why the budget will be missed: no plan within max_error fits the budget at the measured link."""
+        advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
+        return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {self.budget_s() * 1e3:.0f} ms "
+                f"budget at the measured {self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' "
+                f"spread, x{self.margin():.2f}); running the fastest safe plan, predicted at {self._predicted * 1e3:.0f} ms "
+                f"a step: {advice}")
 
     def _agree_errors(self, link) -> None:
         """Sum energies and errors over ranks; keep each option's error of the averaged gradient."""
@@ -214,8 +228,9 @@ class AdaptivePlanner:
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
-        choice = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget) \
-            or _fastest(times, safe, uniform=self.mode == "kimad")
+        fitted = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget)
+        self.fits = fitted is not None
+        choice = fitted or _fastest(times, safe, uniform=self.mode == "kimad")
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
