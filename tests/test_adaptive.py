@@ -88,6 +88,16 @@ def test_monitor_follows_a_rate_change_in_two_steps_and_ignores_one_slow_step():
     assert second[0] == pytest.approx(12.5e6, rel=0.01) and second[1] == pytest.approx(0.0005, rel=0.01)
 
 
+def test_monitor_skips_the_first_steps_start_up_stall():
+    """A process's first step (late ranks, first-call compiles) is no sample: the fit starts from step 2."""
+    monitor = BandwidthMonitor(clock=Clock(), skip_steps=1)
+    assert monitor_step(monitor, [1_000, 1_000_000], 1e6, alpha=0.5) == (0.0, 0.0, 0.0)
+    bandwidth, latency, overhead = monitor_step(monitor, [1_000, 1_000_000], 1e6)
+    assert bandwidth == pytest.approx(1e6, rel=0.01) and latency < 0.001 and overhead < 0.001
+    with pytest.raises(ValueError, match="skip_steps must be >= 0"):
+        BandwidthMonitor(skip_steps=-1)
+
+
 def test_monitor_charges_a_queued_collective_only_its_own_time():
     clock = iter([1.0, 1.2]).__next__  # the second payload waited 0.2 s behind the first, then took 0.2 s
     monitor = BandwidthMonitor(clock=clock)

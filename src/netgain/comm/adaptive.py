@@ -73,7 +73,7 @@ class AdaptivePlanner:
         self.options: list[Codec] = ([NoCompression()] + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)])
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 (top-k)
-        self.monitor = monitor or BandwidthMonitor()
+        self.monitor = monitor or BandwidthMonitor(skip_steps=1)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
         self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error of the mean per option
         self.relative: dict[int, list[float]] = {}        # bucket index -> those errors / the gradient's energy
@@ -158,11 +158,11 @@ class AdaptivePlanner:
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link."""
+        budget = f"{self.budget_s() * 1e3:.0f} ms budget" + ("" if self.time_budget_s else " (the measured backward time)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
-        return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {self.budget_s() * 1e3:.0f} ms "
-                f"budget at the measured {self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' "
-                f"spread, x{self.margin():.2f}); running the fastest safe plan, predicted at {self._predicted * 1e3:.0f} ms "
-                f"a step: {advice}")
+        return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
+                f"{self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' spread, x{self.margin():.2f}); "
+                f"running the fastest safe plan, predicted at {self._predicted * 1e3:.0f} ms a step: {advice}")
 
     def _agree_errors(self, link) -> None:
         """Sum energies and errors over ranks; keep each option's error of the averaged gradient."""

@@ -44,17 +44,22 @@ class BandwidthMonitor:
     window_steps: steps of samples the fit uses; change: a step this many times slower or faster
     than the fit restarts the window (the link changed); spread: two samples give a slope only if
     their sizes differ by this factor; overhead_steps: steps the overhead quantile looks back;
-    clock: when a collective completed (seconds).
+    skip_steps: first steps whose collectives are not samples (a process's first step waits for ranks
+    that start late and for first calls that compile: 0.6 s beyond the fit on `netgain train --task
+    digits`, which the first plan took for per-step overhead); clock: when a collective completed (seconds).
     """
 
     def __init__(self, window_steps: int = 8, change: float = 1.5, spread: float = 1.5,
-                 overhead_steps: int = 20, max_samples: int = 256, clock=time.perf_counter):
+                 overhead_steps: int = 20, max_samples: int = 256, skip_steps: int = 0, clock=time.perf_counter):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        if skip_steps < 0:
+            raise ValueError(f"skip_steps must be >= 0, got {skip_steps}")
         if change <= 1:
             raise ValueError(f"change must be > 1, got {change}")
         self.window_steps, self.change, self.spread = window_steps, change, spread
         self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
+        self._skip = skip_steps
         self.bandwidth: float | None = None  # bytes/s on the wire per rank to plan with (a rise confirmed)
         self.agreed_bandwidth: float | None = None  # the last step's agreed estimate, confirmed or not
         self.latency: float = 0.0            # agreed seconds per collective
@@ -78,6 +83,8 @@ class BandwidthMonitor:
 
         bandwidth is 0 when nothing was sampled yet (the agreed MAX then comes from other ranks)."""
         step, self._step = self._step, []
+        if step and self._skip:
+            self._skip, step = self._skip - 1, []
         if step:
             moved = 0 if self._local_fit is None else self._moved(step, *self._local_fit)
             if moved and self._held is not None and self._held[0] == moved:
