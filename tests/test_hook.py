@@ -65,6 +65,22 @@ def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, op
                for status, message in results), results
 
 
+def fp16_overflow_on_rank_one(rank, world_size):
+    model = ddp(Layers())
+    state = comm.register(model, "fp16", min_compress_numel=0)
+    try:
+        model.zero_grad()
+        loss = model(1, rank)
+        (loss + (model.module.b[0, 0] * 1e6 if rank == 1 else 0.0)).backward()  # finite, past fp16's range
+    finally:
+        state.close()
+
+
+def test_a_finite_gradient_past_fp16s_range_is_named_as_an_overflow():
+    results = run(fp16_overflow_on_rank_one, 2)
+    assert all(status == "error" and "overflowed fp16 (largest 65504)" in message for status, message in results), results
+
+
 def lowrank_state_after_nan(rank, world_size):
     """Low rank with fp32 factors has no header: NaN is caught on round 1's sum, before any state is written."""
     model = ddp(Layers())
@@ -245,6 +261,16 @@ def test_configs_by_name_and_by_object_agree():
     assert comm.comm_config("kimad+", budget_ms=50.0, bits=8).codec == comm.KimadConfig("kimad+", budget_ms=50.0)
     with pytest.raises(TypeError, match="put them in the config"):
         comm.comm_config(comm.TopKConfig(), ratio=0.5)
+
+
+def test_an_argument_no_codec_takes_raises_and_kimads_own_pass_through():
+    """A typo must not fall back to a default silently; another codec's option is ignored, as the CLI's flags are."""
+    for typo in ({"bitz": 4}, {"warmup_step": 10}, {"budget": 5}):
+        with pytest.raises(TypeError, match=f"unknown codec or hook argument.*{next(iter(typo))}.*the codec or hook arguments are"):
+            comm.comm_config("gqsgd", **typo)
+    assert comm.comm_config("topk", bits=4).codec == comm.TopKConfig()
+    assert comm.comm_config("kimad+", bits=(4, 8), max_error=0.5, topk_ratios=[0.1]).codec == comm.KimadConfig(
+        "kimad+", bits=(4, 8), max_error=0.5, topk_ratios=(0.1,))
 
 
 def test_register_refuses_a_model_that_is_not_ddp():

@@ -139,6 +139,7 @@ CODEC_CONFIGS = {"none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastCo
                  "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,
                  "randomk": RandomKConfig, "lowrank": LowRankConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
 CODEC_NAMES = tuple(CODEC_CONFIGS)
+CODEC_FIELDS = {f.name for cls in set(CODEC_CONFIGS.values()) for f in dataclasses.fields(cls)} - {"dtype", "mode"}
 
 
 @dataclass(frozen=True)
@@ -186,16 +187,27 @@ def default_warmup_steps(codec: "CodecConfig | str") -> int:
 
 
 def codec_config(name: str, **params) -> CodecConfig:
-    """The codec config for a name from CODEC_NAMES; params a codec does not take are ignored."""
+    """The codec config for a name from CODEC_NAMES. Options another codec takes are ignored (one set of
+    options drives any codec name, as the CLI's flags do; a fixed codec's int ``bits`` is not Kimad's
+    tuple of widths); a name no codec takes raises TypeError (a typo must not fall back to a default)."""
     if name not in CODEC_CONFIGS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    _refuse_unknown(params, CODEC_FIELDS, "codec")
     cls = CODEC_CONFIGS[name]
     if cls is CastConfig:
         return CastConfig(name)
-    if cls is KimadConfig:  # a fixed codec's bits / ratio are not Kimad's option lists
-        params = {"mode": name, "budget_ms": params.get("budget_ms"), "replan_every": params.get("replan_every")}
+    if cls is KimadConfig:
+        params = {**params, "mode": name}
+        params["bits"] = tuple(params["bits"]) if isinstance(params.get("bits"), (tuple, list)) else None
+        params["topk_ratios"] = tuple(params["topk_ratios"]) if params.get("topk_ratios") is not None else None
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**{key: value for key, value in params.items() if key in fields and value is not None})
+
+
+def _refuse_unknown(params: dict, known: set[str], what: str) -> None:
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise TypeError(f"unknown {what} argument(s) {unknown}; the {what} arguments are {', '.join(sorted(known))}")
 
 
 def comm_config(config: "CodecConfig | CommConfig | str", **kwargs) -> CommConfig:
@@ -204,6 +216,7 @@ def comm_config(config: "CodecConfig | CommConfig | str", **kwargs) -> CommConfi
     options = {key: value for key, value in kwargs.items() if key in hook_fields}
     rest = {key: value for key, value in kwargs.items() if key not in hook_fields}
     if isinstance(config, str):
+        _refuse_unknown(rest, CODEC_FIELDS | hook_fields, "codec or hook")
         return CommConfig(codec_config(config, **rest), **options)
     if rest:
         raise TypeError(f"unexpected arguments {sorted(rest)} with a config object; put them in the config")

@@ -283,7 +283,7 @@ class CommState:
                         # NaN/Inf reach every rank through the float SUM, so every rank raises here. The
                         # bucket's sum is non-finite whenever an element is (also if finite values sum past
                         # the float range), and needs no bucket-sized bool tensor
-                        self._nonfinite_error(index, layout, None, policy="raise")
+                        self._nonfinite_error(index, layout, None, policy="raise", wire=sent.value().dtype)
                     if restart:
                         ctx.feedback.sync(local_grad, out)
                 record.update(ctx.seconds)
@@ -311,8 +311,9 @@ class CommState:
                                     f"(this rank: {codec.describe()})")
         return header[:-3], nonfinite > 0
 
-    def _nonfinite_error(self, index, layout, scales, owners=None, policy=None) -> None:
-        """owners: the parameter of each header scale (`Codec.scale_params`; None: one scale per parameter)."""
+    def _nonfinite_error(self, index, layout, scales, owners=None, policy=None, wire=None) -> None:
+        """owners: the parameter of each header scale (`Codec.scale_params`; None: one scale per parameter);
+        wire: the dtype summed, where the check ran on the sum (an fp16 cast overflows finite gradients)."""
         if (policy or self.config.nonfinite) != "raise":
             return
         if scales is not None:
@@ -321,8 +322,10 @@ class CommState:
         else:
             names = layout.names
         shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        overflow = (", or finite gradients whose mean overflowed fp16 (largest 65504) on the wire: use bf16 or gqsgd"
+                    if wire == torch.float16 else "")
         raise NonFiniteGradientError(
-            f"bucket {index} holds NaN/Inf gradients on at least one rank (parameters: {shown}); "
+            f"bucket {index} holds NaN/Inf gradients on at least one rank{overflow} (parameters: {shown}); "
             "pass nonfinite='uncompressed' to send such buckets uncompressed")
 
     def _end_step(self, jobs: list[dict], done: float) -> None:
@@ -495,6 +498,18 @@ def check_same_config(config: CommConfig, group: dist.ProcessGroup | None) -> No
     configs = [None] * dist.get_world_size(group)
     dist.all_gather_object(configs, mine, group=group)
     if any(c != configs[0] for c in configs):
-        differ = sorted(k for c in configs for k in c if c.get(k) != configs[0].get(k))
+        flat = [_flatten(c) for c in configs]
+        differ = sorted({k for c in flat for k in c if c.get(k) != flat[0].get(k)})
         raise PlanMismatchError(f"netgain comm configuration differs between ranks in {differ}: "
                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    """{"codec": {"bits": 8}} -> {"codec.bits": 8}: a mismatch names the field that differs."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
