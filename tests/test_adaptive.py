@@ -272,7 +272,7 @@ def test_plan_takes_a_safe_biased_option_when_no_unbiased_one_fits():
 
 def adaptive_run(rank, world_size, mode, force_mismatch=False):
     model = DDP(big_layers(), bucket_cap_mb=0.2)
-    state = comm.register(model, mode, min_compress_numel=0, replan_every=2, comm_budget_ms=2.0)
+    state = comm.register(model, mode, min_compress_numel=0, replan_every=2, budget_ms=2.0)
     plans = []
     for step in range(6):
         if force_mismatch and rank == 1 and step == 4:
