@@ -84,13 +84,17 @@ def phase_stats(record: dict, schedule, budget_s: float) -> list[dict]:
         fitting = [t for t, f in zip(held, fits) if f is not False]
         rows.append({"rate": rate, "steps": f"{start + SETTLE_STEPS}-{end - 1}",
                      "comm_median_s": statistics.median(held), "comm_p90_s": sorted(held)[int(0.9 * (len(held) - 1))],
-                     "within_budget": sum(t <= WITHIN * budget_s for t in held) / len(held),
+                     "within_budget": share_within(held, budget_s),
                      "planned_to_fit": len(fitting) / len(held),
-                     "within_budget_of_fitting": (sum(t <= WITHIN * budget_s for t in fitting) / len(fitting)
-                                                  if fitting else None),
+                     "within_budget_of_fitting": share_within(fitting, budget_s) if fitting else None,
                      "bandwidth_mbit": statistics.median(bandwidth) * 8e-6 if bandwidth else None,
                      "wire_bytes": statistics.mean(steps["wire_bytes"][start:end])})
     return rows
+
+
+def share_within(comm_s: list[float], budget_s: float) -> float:
+    """The share of steps whose communication came within WITHIN x the budget."""
+    return sum(t <= WITHIN * budget_s for t in comm_s) / len(comm_s)
 
 
 def closest_bits(wire_bytes: float, raw_bytes: float, world_size: int) -> int:

@@ -143,10 +143,10 @@ class AdaptivePlanner:
             self._agree_errors(link)
         replanned = bandwidth is not None and bool(self.errors) and (measured or self._link_moved())
         if replanned:
-            fitted = self.fits
+            fitted_before = self.fits
             self._agree_profiles(link)
             self._solve(link.world_size)
-            if fitted and not self.fits and link.rank == 0:
+            if fitted_before and not self.fits and link.rank == 0:
                 warnings.warn(self.unfit_message(), RuntimeWarning, stacklevel=2)
         self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                      "budget_s": self.budget_s(), "margin": self.margin(), "replanned": replanned,
@@ -158,7 +158,7 @@ class AdaptivePlanner:
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link."""
-        budget = f"{self.budget_s() * 1e3:.0f} ms budget" + ("" if self.time_budget_s else " (the measured backward time)")
+        budget = f"{self.budget_s() * 1e3:.0f} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
                 f"{self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' spread, x{self.margin():.2f}); "
