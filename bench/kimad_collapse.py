@@ -7,6 +7,9 @@
 A seed passes when kimad+'s final validation loss is at most 5% above fp32's. Untimed (losses only).
 
     OMP_NUM_THREADS=1 python bench/kimad_collapse.py [--seeds 10] [--steps 300] [--jobs digits,mlp85k]
+                                                     [--kimad-lowrank-rank R] [--out DIR]
+
+`--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k).
 
 Writes bench/results/kimad_collapse.md/.csv; `netgain train` records stay under runs/kimad_collapse/, and
 finished runs found there are reused, so an interrupted run resumes (delete the folder to start over).
@@ -46,14 +49,14 @@ def mlp85k() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Path) -> None:
+def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Path, lowrank_rank: int | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
         digits = data.Digits.load()
         torch.manual_seed(seed)
         model = DDP(mlp85k())
-        state = comm.register(model, codec) if codec != "none" else None
+        state = comm.register(model, codec, lowrank_rank=lowrank_rank) if codec != "none" else None
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         losses, plans, bandwidths, errors = [], collections.Counter(), [], []
         for step in range(steps):
@@ -87,18 +90,23 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Pat
         dist.destroy_process_group()
 
 
-def run_mlp(codec: str, seed: int, steps: int, runs: Path) -> dict:
-    out = runs / f"mlp85k_{codec}_{seed}.json"
+def _label(codec: str, lowrank_rank: int | None) -> str:
+    return f"{codec}-lowrank{lowrank_rank}" if lowrank_rank and codec != "none" else codec
+
+
+def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
+    out = runs / f"mlp85k_{_label(codec, lowrank_rank)}_{seed}.json"
     if out.exists():  # finished in an interrupted run
         return json.loads(out.read_text())
-    mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out, lowrank_rank), nprocs=WORLD_SIZE, join=True)
     return json.loads(out.read_text())
 
 
-def run_digits(codec: str, seed: int, steps: int, runs: Path) -> dict:
-    out = runs / f"digits_{codec}_{seed}"
+def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
+    out = runs / f"digits_{_label(codec, lowrank_rank)}_{seed}"
     if not (out / "record.json").exists():  # else finished in an interrupted run
-        subprocess.run(_train_command(codec, seed, steps, out), check=True, stdout=subprocess.DEVNULL,
+        lowrank = ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
+        subprocess.run(_train_command(codec, seed, steps, out) + lowrank, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
@@ -121,6 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", default="digits,mlp85k")
+    parser.add_argument("--kimad-lowrank-rank", type=int, help="kimad+ plans with low rank at this rank (no top-k)")
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_collapse"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
     rows = []
     for job in jobs:
         for seed in range(1, args.seeds + 1):
-            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs) for codec in ("none", "kimad+"))
+            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank) for codec in ("none", "kimad+"))
             ratio = kimad["final_val_loss"] / fp32["final_val_loss"]
             plans = ", ".join(f"{name} x{count}" for name, count in sorted(kimad["plans"].items(), key=lambda kv: -kv[1]))
             rows.append({"job": job, "seed": seed, "fp32_val_loss": fp32["final_val_loss"],
@@ -149,7 +158,8 @@ def main(argv=None) -> int:
              f"Machine: 2-core x86_64 shared with other jobs, no GPU (load average {load_start[0]:.2f} / "
              f"{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} at end, 1 and 5 min); "
              f"commit {git_commit()}; 2 gloo workers, OMP_NUM_THREADS=1; untimed.",
-             f"Command: `python bench/kimad_collapse.py --seeds {args.seeds} --steps {args.steps} --jobs {args.jobs}`.",
+             f"Command: `python bench/kimad_collapse.py --seeds {args.seeds} --steps {args.steps} --jobs {args.jobs}"
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "") + "`.",
              "digits: `netgain train --task digits --codec none|kimad+` (64-128-10 MLP, AdamW lr 3e-3, batch 32 per "
              f"worker). mlp85k: 64-256-256-10 MLP (85,002 parameters), Adam lr {LR}, batch {BATCH} per worker, "
              "fp32 = plain DDP, kimad+ = `netgain.comm.register(ddp, \"kimad+\")` with its defaults (budget: the "

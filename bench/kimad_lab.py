@@ -4,10 +4,11 @@ Every run trains the default `netgain train` job on 2 lab workers while the lab 
 link rate at fixed steps (default 1gbit -> 100mbit -> 300mbit, `tc qdisc change`), read live
 from rank 0's progress bar so every run sees the same schedule at the same steps. Rows: kimad+
 and kimad with a communication budget, fixed gqsgd 8-bit, fp32 (`none`), and the fixed gqsgd
-whose bits per element come closest to kimad+'s average traffic.
+whose bits per element come closest to kimad+'s average traffic. `--kimad-lowrank-rank R` adds low
+rank at rank R to the kimad rows' options (in place of top-k).
 
     python bench/kimad_lab.py [--steps 120] [--schedule 0:1gbit,40:100mbit,80:300mbit] [--budget-ms 200]
-                              [--codecs kimad+,kimad,gqsgd,none]
+                              [--codecs kimad+,kimad,gqsgd,none] [--kimad-lowrank-rank R] [--out DIR]
 
 Writes bench/results/kimad_lab.md/.csv and kimad_lab.png; records stay under runs/kimad_lab/.
 """
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-ms", type=float, default=200.0)
     parser.add_argument("--codecs", default="kimad+,kimad,gqsgd,none",
                         help="rows to run, of kimad+, kimad, gqsgd (8-bit, and the bits closest to kimad+'s traffic), none")
+    parser.add_argument("--kimad-lowrank-rank", type=int,
+                        help="kimad rows: add low rank at this rank to the plan's options (netgain train's flag)")
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_lab"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
@@ -120,14 +123,15 @@ def main(argv=None) -> int:
     unknown = sorted(set(codecs) - {"kimad+", "kimad", "gqsgd", "none"})
     if unknown:
         raise SystemExit(f"--codecs: unknown {unknown}; choose from kimad+, kimad, gqsgd, none")
-    plan = [("kimad+", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
-            ("kimad", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10"]),
+    lowrank = ["--kimad-lowrank-rank", str(args.kimad_lowrank_rank)] if args.kimad_lowrank_rank else []
+    plan = [("kimad+", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10", *lowrank]),
+            ("kimad", ["--comm-budget-ms", str(args.budget_ms), "--replan-every", "10", *lowrank]),
             ("gqsgd", ["--bits", "8"]), ("none", [])]
     plan = [(name, extra) for name, extra in plan if name in codecs]
     records = {}
     with terminate_on_signals():
         for name, extra in plan:
-            label = " ".join([name, *extra[:2]]) if name.startswith("kimad") else " ".join([name, *extra])
+            label = " ".join([name, *extra[:2], *extra[4:]]) if name.startswith("kimad") else " ".join([name, *extra])
             print(f"== {label}", flush=True)
             records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"))
             if name == "kimad+" and "gqsgd" in codecs:  # queue the fixed codec that sends what kimad+ sent on average
@@ -150,7 +154,8 @@ def main(argv=None) -> int:
              f"{load_start[0]:.2f}/{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f}/{os.getloadavg()[1]:.2f} "
              f"at end), no GPU; commit {commit}; 2 lab workers.",
              f"Command: `python bench/kimad_lab.py --steps {args.steps} --schedule {args.schedule} "
-             f"--budget-ms {args.budget_ms} --codecs {args.codecs}`. Communication = collective + encode + decode "
+             f"--budget-ms {args.budget_ms} --codecs {args.codecs}"
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if lowrank else "") + "`. Communication = collective + encode + decode "
              f"seconds per step (the hook's own timing); held to account from {SETTLE_STEPS} steps after each change.", "",
              "| run | rate | steps | comm median s | comm p90 s | steps within 1.1 x budget | steps planned to fit "
              "| of those, within 1.1 x budget | bandwidth estimate Mbit/s | wire bytes/step | final val loss |",

@@ -11,8 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import netgain.comm as comm
 from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
-from netgain.comm.codecs import GlobalQSGD, NoCompression, TopK, codec_profile
+from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK, codec_profile
 from netgain.comm.fused import Segments
+from netgain.comm.lowrank import LowRank
 
 from distributed import run
 from test_hook import Layers, grads
@@ -174,7 +175,7 @@ def _two_parameter_bucket():
 def test_errors_measured_on_a_sample_match_the_whole_bucket():
     x, segments, scales = _two_parameter_bucket()
     planner = AdaptivePlanner("kimad+", bits=(8, 4, 2), topk_ratios=(0.01,))
-    planner.observe(0, x, segments, scales)
+    planner.observe(0, x, Context(2, segments, segments.keys, segments.keys, scales=scales))
     energy, *sampled = planner._local_errors[0]
     whole = [option_error(o, x, scales[segments.seg.long()]) for o in planner.options]
     assert energy == pytest.approx(float(x.square().sum()))
@@ -209,6 +210,35 @@ def test_bad_planner_arguments():
         AdaptivePlanner(max_error=0)
     with pytest.raises(ValueError, match="window_steps must be >= 1"):
         BandwidthMonitor(window_steps=0)
+
+
+def test_low_rank_is_an_option_in_place_of_top_k():
+    planner = AdaptivePlanner(bits=(8,), lowrank_rank=4)
+    assert [o.describe() for o in planner.options] == ["none", "gqsgd(bits=8,encoding=packed)",
+                                                        "lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert isinstance(planner.memory_codec, LowRank)  # the buckets' error-feedback memory is low rank's
+    assert any(isinstance(o, TopK) for o in AdaptivePlanner(bits=(8,)).options)  # without it, top-k as before
+    with pytest.raises(ValueError, match=r"topk_ratios=\(0.01,\) with lowrank_rank=4: a bucket keeps one error-feedback memory"):
+        AdaptivePlanner(lowrank_rank=4, topk_ratios=(0.01,))
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        comm.KimadConfig(lowrank_rank=0)
+
+
+def test_low_rank_is_planned_where_no_unbiased_code_fits_and_priced_from_the_buckets_shapes():
+    """A 1000 x 1000 matrix at 1 MB/s: gqsgd 8-bit sends 1.14 MB (1.1 s), rank 4 with 8-bit factors about
+    8 KB. A 0.5 s budget takes low rank, though it counts as erring by the whole gradient; 2 s keeps 8 bits."""
+    def plan(budget_s):
+        planner = AdaptivePlanner("kimad+", time_budget_s=budget_s, bits=(8,), lowrank_rank=4)
+        planner.monitor.update(1e6, 0.0, 0.0)
+        planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
+        planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
+        planner.errors[0] = planner.relative[0] = [0.0, 0.001, 1.0]
+        planner._solve(2)
+        return planner
+    tight = plan(0.5)
+    assert [codec.describe() for _, codec in tight.plan.values()] == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert tight.fits and tight._predicted < 0.05
+    assert [codec.describe() for _, codec in plan(2.0).plan.values()] == ["gqsgd(bits=8,encoding=packed)"]
 
 
 def planner_on_link(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6, overruns=()):
@@ -298,3 +328,45 @@ def test_plan_identical_on_every_rank(mode):
 def test_forced_mismatch_raises_on_every_rank():
     results = run(adaptive_run, 2, "kimad+", True)
     assert all(status == "error" and "different codecs" in message for status, message in results), results
+
+
+def scripted_lowrank_run(rank, world_size, later):
+    """kimad+ with low rank as an option, its plan scripted: step 0 none (DDP's rebuild), step 1 low rank
+    (rank 2 of a 60 x 50 matrix), step 2 ``later``. Returns the three steps' averaged gradients (the
+    model's output is its weight, transposed: the gradient is true_gradient)."""
+    model = DDP(torch.nn.Linear(50, 60, bias=False), bucket_cap_mb=25)
+    state = comm.register(model, "kimad+", min_compress_numel=0, lowrank_rank=2, bits=(8,), topk_ratios=())
+    script = {0: NoCompression(), 1: LowRank(2, "gqsgd", 8), 2: later}
+    out = []
+    for step in range(3):
+        state.chooser.codec_for = lambda index, numel, step=step: script[step]
+        model.zero_grad()
+        (model(torch.eye(50)) * true_gradient(step, rank).T).sum().backward()
+        out.append(model.module.weight.grad.clone())
+    state.close()
+    return out
+
+
+def true_gradient(step, rank):
+    """Step 2's gradient is 10x smaller than low rank's residual: scaled without the residual, most of it would clip."""
+    return torch.randn(60, 50, generator=torch.Generator().manual_seed(100 * step + rank)) * (0.1 if step == 2 else 1.0)
+
+
+def true_mean(step, world_size):
+    return sum(true_gradient(step, r) for r in range(world_size)) / world_size
+
+
+@pytest.mark.parametrize("later", [NoCompression(), GlobalQSGD(8)], ids=["none", "gqsgd8"])
+def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
+    """Low rank's residual rides along the next step of another option: over the two steps the ranks
+    receive the true mean exactly (none), or within 8-bit rounding (gqsgd, whose header scales the
+    gradient with the residual in it: scaled without it, the residual's values would clip)."""
+    results = run(scripted_lowrank_run, 2, later)
+    assert all(status == "ok" for status, _ in results), results
+    (out0, out1) = (value for _, value in results)
+    assert all(torch.equal(a, b) for a, b in zip(out0, out1))
+    assert torch.allclose(out0[0], true_mean(0, 2))
+    assert not torch.allclose(out0[1], true_mean(1, 2), atol=0.1)  # low rank sent less than the gradient
+    sent, truth = out0[1] + out0[2], true_mean(1, 2) + true_mean(2, 2)
+    relative = float((sent - truth).norm() / truth.norm())
+    assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative

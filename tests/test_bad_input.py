@@ -47,6 +47,8 @@ def config(*argv: str) -> train.TrainConfig:
     (["--comm-budget-ms", "0"], "--comm-budget-ms must be a finite number > 0, got 0.0"),
     (["--comm-budget-ms", "-5"], "--comm-budget-ms must be a finite number > 0, got -5.0"),
     (["--replan-every", "0"], "--replan-every must be at least 1, got 0"),
+    (["--codec", "kimad+", "--kimad-lowrank-rank", "0"], "--kimad-lowrank-rank must be at least 1, and only with --codec kimad"),
+    (["--codec", "gqsgd", "--kimad-lowrank-rank", "4"], "--kimad-lowrank-rank must be at least 1, and only with --codec kimad"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--world-size", "0"], "--world-size must be at least 1, got 0"),

@@ -69,7 +69,7 @@ SHARDED_CHECKPOINT_KEYS = {"step", "world_size", "config"}
 # RESUME_FIXED is refused by name (the model, the data stream or the codec state would not match).
 RESUME_APPLIED = ("lr", "batch_size", "data")
 RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "rank", "factors",
-                "comm_budget_ms", "replan_every", "hidden_size", "layers", "seq_len", "replicas", "shards")
+                "comm_budget_ms", "replan_every", "kimad_lowrank_rank", "hidden_size", "layers", "seq_len", "replicas", "shards")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class TrainConfig:
     factors: str
     comm_budget_ms: float | None
     replan_every: int
+    kimad_lowrank_rank: int | None
     steps: int
     batch_size: int
     lr: float
@@ -130,6 +131,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="kimad: communication time target per step, > 0 (default: the measured backward time)")
     parser.add_argument("--replan-every", type=int, default=10,
                         help="kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
+    parser.add_argument("--kimad-lowrank-rank", type=int,
+                        help="kimad: add low rank at this rank >= 1 (8-bit gqsgd factors, error feedback) to the plan's "
+                        "options, in place of top-k (default: no low rank; top-k 0.001, 0.01, 0.1)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps, counted from 0 also when resuming")
     parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
     parser.add_argument("--lr", type=float, default=3e-3,
@@ -189,7 +193,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
                          rank=args.rank, factors=args.factors,
-                         comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every, steps=args.steps,
+                         comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every,
+                         kimad_lowrank_rank=args.kimad_lowrank_rank, steps=args.steps,
                          batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
                          replicas=args.replicas, shards=args.shards, seed=args.seed,
                          data=args.data, eval_every=args.eval_every, out=args.out, checkpoint=args.checkpoint,
@@ -257,6 +262,8 @@ def check_numbers(c: TrainConfig) -> None:
     _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
              "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
     _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
+    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and c.codec in ("kimad", "kimad+")),
+             "kimad_lowrank_rank", "must be at least 1, and only with --codec kimad or kimad+", c.kimad_lowrank_rank)
     bits = comm.codecs.BITS_RANGE
     _require(c.bits in bits, "bits", f"must be in {bits.start}..{bits.stop - 1}", c.bits)
     _require(not (c.codec == "gqsgd" and c.encoding == "int8" and c.bits != 8), "bits",
@@ -671,6 +678,7 @@ class Trainer:
             else:
                 self.comm_state = comm.register(self.model, config.codec, ratio=config.ratio,
                                                 budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
+                                                lowrank_rank=config.kimad_lowrank_rank,
                                                 **codec)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0

@@ -7,9 +7,11 @@ compute). Every `replan_every` steps, or when the link estimate moves by more th
 `replan_threshold`, the plan is re-solved:
   kimad  - one option for every bucket;
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket.
-Options: uncompressed, gqsgd (packed) at each bit width, top-k (EF21) at each ratio. An option's
-time is its header and payload collectives on the monitor's fit plus this machine's calibrated
-codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
+Options: uncompressed, gqsgd (packed) at each bit width, and either top-k (EF21) at each ratio or
+low rank at one rank with 8-bit Global-QSGD factors (`lowrank_rank`: a bucket keeps one
+error-feedback memory, EF21's or low rank's residual, which the unbiased options flush). An option's
+time is its header and payload collectives on the monitor's fit (low rank's from the bucket's
+shapes) plus this machine's calibrated codec cost; the plan fits them into the budget less the monitor's overhead, divided by the margin
 by which recent steps overran their prediction (an order statistic that a new step exceeds with
 chance at most 5%, so the spread fits, not only the median; stalls left out). Its error is measured on the current
 gradient (expected stochastic-rounding error for gqsgd, the dropped energy for top-k), summed over
@@ -17,7 +19,10 @@ ranks.
 
 No collapse: an option is admissible for a bucket only if the error it adds to the averaged
 gradient is at most `max_error` of the gradient's energy (an unbiased code's independent rounding
-averages down over n ranks, a biased one's does not). Among admissible options the plan prefers
+averages down over n ranks, a biased one's does not). Low rank is admitted by a rule of its own:
+its error feedback resends what a step drops (PowerSGD's convergence), where top-k's EF21 at small
+ratios collapsed; its error counts as the bucket's whole energy, an upper bound, so the plan takes it
+only where nothing that errs less fits. Among admissible options the plan prefers
 the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budget, then any
 admissible one that fits, the least total error first; when nothing admissible fits, each bucket
 takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive,
@@ -38,6 +43,7 @@ from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor
 from .codecs import Codec, GlobalQSGD, NoCompression, TopK, codec_profile
+from .lowrank import LowRank
 from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+")
@@ -49,6 +55,9 @@ ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are 
 # (measured as the codecs round) kimad+ planned gqsgd 4-5 bits on netgain train --task digits and one
 # seed of 10 ended 6.3% above fp32's validation loss; at 0.01 the plans keep a margin to that.
 MAX_ERROR = 0.01
+TOPK_RATIOS = (0.001, 0.01, 0.1)
+LOWRANK_FACTOR_BITS = 8
+LOWRANK_CALIBRATION_SHAPES = [(256, 256)] * 4  # low rank's cost is per matrix shape: calibrate on matrices
 
 
 class AdaptivePlanner:
@@ -58,8 +67,8 @@ class AdaptivePlanner:
 
     def __init__(self, mode: str = "kimad+", *, time_budget_s: float | None = None, replan_every: int = 10,
                  replan_threshold: float = 0.2, bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8),
-                 topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1), max_error: float = MAX_ERROR,
-                 monitor: BandwidthMonitor | None = None):
+                 topk_ratios: tuple[float, ...] | None = None, lowrank_rank: int | None = None,
+                 max_error: float = MAX_ERROR, monitor: BandwidthMonitor | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if time_budget_s is not None and time_budget_s <= 0:
@@ -68,17 +77,24 @@ class AdaptivePlanner:
             raise ValueError(f"replan_every must be >= 1, got {replan_every}")
         if not 0 < max_error < float("inf"):
             raise ValueError(f"max_error must be > 0 and finite, got {max_error}")
+        if lowrank_rank is not None and topk_ratios:
+            raise ValueError(f"topk_ratios={topk_ratios} with lowrank_rank={lowrank_rank}: a bucket keeps one error-feedback "
+                             "memory (top-k's EF21 or low rank's residual); pass topk_ratios=() to plan with low rank")
+        if topk_ratios is None:
+            topk_ratios = () if lowrank_rank is not None else TOPK_RATIOS
+        lowrank = [LowRank(lowrank_rank, "gqsgd", LOWRANK_FACTOR_BITS)] if lowrank_rank is not None else []
         self.mode, self.time_budget_s = mode, time_budget_s
         self.replan_every, self.replan_threshold, self.max_error = replan_every, replan_threshold, max_error
         self.options: list[Codec] = ([NoCompression()] + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
-                                     + [TopK(r) for r in sorted(topk_ratios, reverse=True)])
-        self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 (top-k)
+                                     + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
+        self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
         self.monitor = monitor or BandwidthMonitor(skip_steps=1)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
         self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error of the mean per option
         self.relative: dict[int, list[float]] = {}        # bucket index -> those errors / the gradient's energy
         self._local_errors: dict[int, list[float]] = {}
         self._numels: dict[int, int] = {}                 # bucket index -> numel, this step's layout
+        self._shapes: dict[int, list] = {}                # bucket index -> its parameters' shapes (low rank's bytes)
         self._profiles: dict[int, list[network.CodecProfile]] = {}
         self._predicted: float | None = None
         self._backward_s: float | None = None
@@ -107,16 +123,17 @@ class AdaptivePlanner:
     def wants_errors(self, step: int) -> bool:
         return self._stale or (step + 1) % self.replan_every == 0
 
-    def observe(self, index: int, x: torch.Tensor, segments, scales: torch.Tensor) -> None:
+    def observe(self, index: int, x: torch.Tensor, ctx) -> None:
         """Measure the bucket's energy and every option's compression error on this rank's bucket.
 
         gqsgd's error is that of the codec as it runs: each element against its parameter's global
-        max |g| (``scales``, the header's; on the default job a bucket-wide max overstated 4-bit's
+        max |g| (``ctx.scales``, the header's; on the default job a bucket-wide max overstated 4-bit's
         error 3-9x and ruled unbiased options out). The errors come from an even sample of at most
         ERROR_SAMPLES elements, scaled up: the measuring step must not cost a pass per option over
         the bucket."""
+        self._shapes[index] = ctx.layout.shapes if ctx.layout is not None else None
         stride = -(-x.numel() // ERROR_SAMPLES) | 1  # odd: no lock-step with matrix rows
-        sample, scale = x[::stride], scales[segments.seg[::stride].long()]
+        sample, scale = x[::stride], ctx.scales[ctx.segments.seg[::stride].long()]
         factor = x.numel() / sample.numel()
         self._local_errors[index] = [float(x.square().sum())] + [option_error(option, sample, scale) * factor
                                                                  for option in self.options]
@@ -158,11 +175,11 @@ class AdaptivePlanner:
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link."""
-        budget = f"{self.budget_s() * 1e3:.0f} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
+        budget = f"{self.budget_s() * 1e3:.3g} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
                 f"{self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' spread, x{self.margin():.2f}); "
-                f"running the fastest safe plan, predicted at {self._predicted * 1e3:.0f} ms a step: {advice}")
+                f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step: {advice}")
 
     def _agree_errors(self, link) -> None:
         """Sum energies and errors over ranks; keep each option's error of the averaged gradient."""
@@ -222,9 +239,10 @@ class AdaptivePlanner:
 
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
-        times = [[self._option_s(o, self._numels[i], world_size) for o in range(len(self.options))] for i in indices]
+        times = [[self._option_s(o, i, world_size) for o in range(len(self.options))] for i in indices]
         errors = [self.errors[i] for i in indices]
-        safe = [[o == 0 or r <= self.max_error for o, r in enumerate(self.relative[i])] for i in indices]
+        own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
+        safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
@@ -241,18 +259,20 @@ class AdaptivePlanner:
         n = link.world_size
         if n in self._profiles:
             return
-        local = [codec_profile(o, n, calibration_numel=1 << 18) for o in self.options]
+        local = [codec_profile(o, n, calibration_numel=1 << 18,
+                               shapes=LOWRANK_CALIBRATION_SHAPES if isinstance(o, LowRank) else None) for o in self.options]
         costs = torch.tensor([[p.encode_s_per_elem, p.decode_s_per_elem] for p in local], dtype=torch.float64)
         costs = link.allreduce(costs, torch.distributed.ReduceOp.MAX).tolist()
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)
                              for p, (e, d) in zip(local, costs)]
 
-    def _option_s(self, option_index: int, numel: int, world_size: int) -> float:
+    def _option_s(self, option_index: int, index: int, world_size: int) -> float:
         """The bucket's header and payload collectives on the monitor's fit, plus codec work. The
         header counts as a one-parameter bucket's whether or not the option has one: the hook
         sends it for every planned bucket (the plan check)."""
-        profile = self._profiles[world_size][option_index]
-        payload = network.bucket_messages(numel, dataclasses.replace(profile, header_bytes=0, header_bytes_per_tensor=0))
+        profile, numel = self._profiles[world_size][option_index], self._numels[index]
+        payload = network.bucket_messages(numel, dataclasses.replace(profile, header_bytes=0, header_bytes_per_tensor=0),
+                                          shapes=self._shapes.get(index) if profile.rank else None)
         wire = sum(self.monitor.predict_s(collective, nbytes, world_size)
                    for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
         return wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
@@ -302,6 +322,8 @@ def option_error(option: Codec, x: torch.Tensor, scale: torch.Tensor | float | N
         scaled = torch.where(step > 0, x.abs() / step, 0.0)
         frac = scaled - scaled.floor()
         return float((frac * (1 - frac) * step * step).sum())
+    if isinstance(option, LowRank):  # an upper bound: the projection keeps some of it, error feedback the rest
+        return float(x.square().sum())
     if isinstance(option, TopK):
         energy = x.square()
         kept = energy.topk(option.k(x.numel()), sorted=False).values.sum()

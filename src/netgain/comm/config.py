@@ -114,12 +114,16 @@ class KimadConfig:
     the time target per step (None: the measured backward time, so communication hides under it).
     max_error: an option is admissible only if the error it adds to the averaged gradient is at
     most this fraction of the gradient's energy (what keeps the plan from collapsing onto top-k).
+    topk_ratios: top-k (EF21) options (None: 0.001, 0.01, 0.1, or none with low rank). lowrank_rank:
+    adds low rank at this rank, 8-bit Global-QSGD factors, as an option (in place of top-k: a bucket
+    keeps one error-feedback memory); admitted by error feedback, not by max_error.
     """
     mode: str = "kimad+"
     budget_ms: float | None = None
     replan_every: int = 10
     bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
-    topk_ratios: tuple[float, ...] = (0.001, 0.01, 0.1)
+    topk_ratios: tuple[float, ...] | None = None
+    lowrank_rank: int | None = None
     max_error: float = MAX_ERROR
 
     def __post_init__(self):
@@ -130,7 +134,7 @@ class KimadConfig:
     def build(self):
         return AdaptivePlanner(self.mode, time_budget_s=None if self.budget_ms is None else self.budget_ms / 1e3,
                                replan_every=self.replan_every, bits=self.bits, topk_ratios=self.topk_ratios,
-                               max_error=self.max_error)
+                               lowrank_rank=self.lowrank_rank, max_error=self.max_error)
 
 
 CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,

@@ -238,6 +238,9 @@ class CommState:
         feedback = self.chooser.memory_codec is not None
         if feedback:
             ctx.feedback = self.store.feedback_for(layout, x.device, self.chooser.memory_codec)
+        # the memory restarts from this step's gradient, before the header scales it (low rank's residual joins it)
+        restart = feedback and not codec.uses_feedback
+        local_grad = ctx.feedback.restart(x, ctx) if restart else None
         checked = codec.needs_header or self.chooser.checked or (
             self.config.nonfinite == "uncompressed" and not uncompressed)
         if checked:
@@ -245,12 +248,12 @@ class CommState:
             if nonfinite:
                 self._nonfinite_error(index, layout, scales, codec.scale_params(ctx))  # raises, or sends uncompressed
                 codec, uncompressed, record["codec"] = _UNCOMPRESSED, True, "none (non-finite)"
+                if feedback and not restart:
+                    restart, local_grad = True, ctx.feedback.restart(x, ctx)
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
             job["verdict"].set_result(None)
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
-            self.chooser.observe(index, x, segments, ctx.scales)  # only buckets the planner plans (not warm-up, not tiny ones)
-        restart = feedback and not codec.uses_feedback  # the memory restarts from this step's gradient
-        local_grad = ctx.feedback.restart(x, ctx) if restart else None
+            self.chooser.observe(index, x, ctx)  # only buckets the planner plans (not warm-up, not tiny ones)
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
