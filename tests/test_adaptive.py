@@ -224,21 +224,47 @@ def test_low_rank_is_an_option_in_place_of_top_k():
         comm.KimadConfig(lowrank_rank=0)
 
 
+def matrix_planner(budget_s, mode="kimad+", matrices=1):
+    """Options none, gqsgd 8-bit, gqsgd 2-bit (beyond max_error) and rank-4 low rank, for buckets of one
+    1000 x 1000 matrix each, at 1 MB/s, solved."""
+    planner = AdaptivePlanner(mode, time_budget_s=budget_s, bits=(8, 2), lowrank_rank=4)
+    planner.monitor.update(1e6, 0.0, 0.0)
+    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
+    for index in range(matrices):
+        planner._numels[index], planner._shapes[index] = 1_000_000, [(1000, 1000)]
+        planner.errors[index] = planner.relative[index] = [0.0, 0.001, 0.5, 1.0]
+    planner._solve(2)
+    return planner
+
+
 def test_low_rank_is_planned_where_no_unbiased_code_fits_and_priced_from_the_buckets_shapes():
     """A 1000 x 1000 matrix at 1 MB/s: gqsgd 8-bit sends 1.14 MB (1.1 s), rank 4 with 8-bit factors about
     8 KB. A 0.5 s budget takes low rank, though it counts as erring by the whole gradient; 2 s keeps 8 bits."""
-    def plan(budget_s):
-        planner = AdaptivePlanner("kimad+", time_budget_s=budget_s, bits=(8,), lowrank_rank=4)
-        planner.monitor.update(1e6, 0.0, 0.0)
-        planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
-        planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-        planner.errors[0] = planner.relative[0] = [0.0, 0.001, 1.0]
-        planner._solve(2)
-        return planner
+    plan = matrix_planner
     tight = plan(0.5)
     assert [codec.describe() for _, codec in tight.plan.values()] == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
     assert tight.fits and tight._predicted < 0.05
     assert [codec.describe() for _, codec in plan(2.0).plan.values()] == ["gqsgd(bits=8,encoding=packed)"]
+
+
+@pytest.mark.parametrize("mode", ["kimad", "kimad+"])
+def test_a_replan_climbs_one_rung_at_a_time_from_a_small_plan(mode):
+    """Steps of low rank's 8 KB read a shaper's burst as a fast link; the estimate asks for fp32 (4 MB). The
+    plan climbs one safe option a step (gqsgd 8-bit, past the unsafe 2-bit, then none), measuring each,
+    instead of jumping 500x."""
+    planner = matrix_planner(1.0, mode, matrices=2)
+    def plan():
+        return set(codec.describe() for _, codec in planner.plan.values())
+    assert plan() == {"lowrank(rank=4,factors=gqsgd,bits=8)"}
+    planner.monitor.update(1e10, 0.0, 0.0)
+    planner.monitor.update(1e10, 0.0, 0.0)  # a rise counts once two steps agree
+    planner._solve(2)
+    assert plan() == {"gqsgd(bits=8,encoding=packed)"} and planner.climbing and planner.fits  # re-plans next step
+    planner._solve(2)
+    assert plan() == {"none"} and not planner.climbing
+    planner.monitor.update(1e6, 0.0, 0.0)  # the link is slow after all: straight down, no climb
+    planner._solve(2)
+    assert plan() == {"lowrank(rank=4,factors=gqsgd,bits=8)"}
 
 
 def planner_on_link(mode, budget_s, relative, numels=(100_000,), bandwidth=1e6, overruns=()):

@@ -27,7 +27,9 @@ the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budg
 admissible one that fits, the least total error first; when nothing admissible fits, each bucket
 takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive,
 and rank 0 warns (RuntimeWarning) when the plan stops fitting; `plan_fits` in each step's statistics.
-Every input to the solver is agreed by collectives, so every rank computes the same plan; the
+A re-plan moves each bucket at most GROWTH (2x) its bytes, or to the next larger option, and re-plans
+at the next step until it reaches what the estimate asks for: the link is measured only up to the
+volumes sent, and a shaper's burst passes small steps at wire speed. Every input to the solver is agreed by collectives, so every rank computes the same plan; the
 hook's header checks it bucket by bucket.
 """
 
@@ -57,6 +59,7 @@ ERROR_SAMPLES = 1 << 16  # elements per bucket on which the options' errors are 
 MAX_ERROR = 0.01
 TOPK_RATIOS = (0.001, 0.01, 0.1)
 LOWRANK_FACTOR_BITS = 8
+GROWTH = 2.0  # a re-plan may at most double a bucket's bytes (or take the next larger option): see _reachable
 LOWRANK_CALIBRATION_SHAPES = [(256, 256)] * 4  # low rank's cost is per matrix shape: calibrate on matrices
 
 
@@ -102,6 +105,7 @@ class AdaptivePlanner:
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
+        self.climbing = False  # the plan is held below what the estimate asks for (GROWTH): re-plan each step
         self.last: dict = {}
 
     # ---- per bucket, on the communication thread -------------------------------------------------
@@ -158,7 +162,7 @@ class AdaptivePlanner:
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self._link_moved())
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or self._link_moved())
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -239,20 +243,46 @@ class AdaptivePlanner:
 
     def _solve(self, world_size: int) -> None:
         indices = sorted(i for i in self._numels if i in self.errors)
-        times = [[self._option_s(o, i, world_size) for o in range(len(self.options))] for i in indices]
+        costs = [[self._option_cost(o, i, world_size) for o in range(len(self.options))] for i in indices]
+        times = [[seconds for seconds, _ in row] for row in costs]
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
+        wanted = self._choose(times, errors, safe)
+        held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
+        choice = self._choose(times, errors, held)  # sets `fits` for the plan that runs
+        self.climbing = choice != wanted  # held below what the estimate asks for: re-plan next step, one rung up
+        self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
+        self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
+        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
+        self._stale = False
+
+    def _choose(self, times, errors, safe) -> list[int]:
+        """The plan among the safe options: unbiased ones that fit, else any that fit, else the fastest."""
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
         fitted = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget)
         self.fits = fitted is not None
-        choice = fitted or _fastest(times, safe, uniform=self.mode == "kimad")
-        self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
-        self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
-        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
-        self._stale = False
+        return fitted or _fastest(times, safe, uniform=self.mode == "kimad")
+
+    def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
+        """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
+        to GROWTH x the bytes or the next larger safe one (an unsafe rung must not stop the climb); kimad
+        climbs on the plan's total bytes. The link's rate is measured only up to the volumes sent: a
+        shaper's burst passes small steps at wire speed (on the lab at 100 Mbit/s, low rank's 0.2 MB steps
+        read as 67 Gbit/s, and the next plan sent 6.9 MB uncompressed, 0.55 s against a 0.2 s budget)."""
+        planned = [self.plan.get(i) for i in indices]
+        if any(p is None or p[0] != self._numels[i] for p, i in zip(planned, indices)):
+            return safe  # a new layout: its first plan comes from an uncompressed step
+        now = [self.options.index(p[1]) for p in planned]
+        if self.mode == "kimad":
+            totals, common = [sum(column) for column in zip(*sizes)], [all(column) for column in zip(*safe)]
+            reach = _within_reach(totals, totals[now[0]], common)
+            held = [[ok and near for ok, near in zip(row, reach)] for row in safe]
+        else:
+            held = [_within_reach(row, row[c], ok) for row, c, ok in zip(sizes, now, safe)]
+        return held if _any_plan(held, uniform=self.mode == "kimad") else safe  # nothing safe in reach: safety first
 
     def _agree_profiles(self, link) -> None:
         """Calibrate every option's encode/decode cost once; ranks agree on the slowest (MAX)."""
@@ -266,16 +296,17 @@ class AdaptivePlanner:
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)
                              for p, (e, d) in zip(local, costs)]
 
-    def _option_s(self, option_index: int, index: int, world_size: int) -> float:
-        """The bucket's header and payload collectives on the monitor's fit, plus codec work. The
-        header counts as a one-parameter bucket's whether or not the option has one: the hook
-        sends it for every planned bucket (the plan check)."""
+    def _option_cost(self, option_index: int, index: int, world_size: int) -> tuple[float, float]:
+        """(seconds, payload bytes) of an option for a bucket: its header and payload collectives on the
+        monitor's fit, plus codec work. The header counts as a one-parameter bucket's whether or not the
+        option has one: the hook sends it for every planned bucket (the plan check)."""
         profile, numel = self._profiles[world_size][option_index], self._numels[index]
         payload = network.bucket_messages(numel, dataclasses.replace(profile, header_bytes=0, header_bytes_per_tensor=0),
                                           shapes=self._shapes.get(index) if profile.rank else None)
         wire = sum(self.monitor.predict_s(collective, nbytes, world_size)
                    for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
-        return wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
+        seconds = wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
+        return seconds, sum(nbytes for _, nbytes in payload)
 
 
 def _fit_knapsack(times, errors, allowed, budget) -> list[int] | None:
@@ -301,11 +332,22 @@ def _fit_uniform(times, errors, allowed, budget) -> list[int] | None:
     return [best] * len(times)
 
 
+def _within_reach(sizes: list[float], current: float, safe: list[bool]) -> list[bool]:
+    limit = GROWTH * current
+    next_rung = min((size for size, ok in zip(sizes, safe) if ok and size > limit), default=limit)
+    return [ok and (size <= limit or size == next_rung) for size, ok in zip(sizes, safe)]
+
+
+def _any_plan(allowed, uniform: bool) -> bool:
+    """Whether a plan exists: an allowed option in every bucket (kimad+), one allowed in all (kimad)."""
+    return any(all(column) for column in zip(*allowed)) if uniform else all(any(row) for row in allowed)
+
+
 def _fastest(times, allowed, uniform: bool) -> list[int]:
     """Nothing safe fits: the fastest safe option (per bucket, or one for all), the closest to fitting."""
     if uniform:
         width = len(times[0])
-        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe
+        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe; see _any_plan
         return [min(common, key=lambda o: sum(ts[o] for ts in times))] * len(times)
     return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
 
