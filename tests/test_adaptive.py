@@ -175,11 +175,24 @@ def _two_parameter_bucket():
 def test_errors_measured_on_a_sample_match_the_whole_bucket():
     x, segments, scales = _two_parameter_bucket()
     planner = AdaptivePlanner("kimad+", bits=(8, 4, 2), topk_ratios=(0.01,))
-    planner.observe(0, x, Context(2, segments, segments.keys, segments.keys, scales=scales))
+    planner.observe(0, x, Context(2, segments, segments.keys, segments.keys, scales=scales), GlobalQSGD(8))
     energy, *sampled = planner._local_errors[0]
     whole = [option_error(o, x, scales[segments.seg.long()]) for o in planner.options]
     assert energy == pytest.approx(float(x.square().sum()))
     assert sampled == pytest.approx(whole, rel=0.05)
+
+
+def test_a_low_rank_step_measures_gqsgd_against_each_parameters_max_not_ps_column_scales():
+    x, segments, scales = _two_parameter_bucket()
+    planner = AdaptivePlanner("kimad+", bits=(8, 4), lowrank_rank=4)
+    layout = type("Layout", (), {"shapes": [(1024, 1024), (512, 512)]})()
+    column_scales = torch.full((8,), 100.0)  # what low rank's header holds: a scale per column of P
+    tables = {LowRank(4).describe(): {"p_params": torch.arange(8) // 4}}  # the parameter of each column
+    planner.observe(0, x, Context(2, segments, segments.keys, segments.keys, scales=column_scales, layout=layout,
+                                  tables=tables), LowRank(4))
+    planner.observe(1, x, Context(2, segments, segments.keys, segments.keys, scales=scales, layout=layout),
+                    GlobalQSGD(8))
+    assert planner._local_errors[0] == pytest.approx(planner._local_errors[1])  # this rank's max = the global one here
 
 
 def test_gqsgd_error_is_measured_against_each_parameters_own_scale():

@@ -27,8 +27,8 @@ the unbiased, allreduce-compatible ones (none, gqsgd) whenever they fit the budg
 admissible one that fits, the least total error first; when nothing admissible fits, each bucket
 takes its fastest admissible option: the safe plan closest to fitting, never the most aggressive,
 and rank 0 warns (RuntimeWarning) when the plan stops fitting; `plan_fits` in each step's statistics.
-A re-plan moves each bucket at most GROWTH (2x) its bytes, or to the next larger option, and re-plans
-at the next step until it reaches what the estimate asks for: the link is measured only up to the
+A re-plan moves each bucket at most GROWTH (2x) its bytes, or to the next larger safe option (kimad:
+the plan's total bytes), and re-plans at the next step until it reaches what the estimate asks for: the link is measured only up to the
 volumes sent, and a shaper's burst passes small steps at wire speed. Every input to the solver is agreed by collectives, so every rank computes the same plan; the
 hook's header checks it bucket by bucket.
 """
@@ -127,17 +127,19 @@ class AdaptivePlanner:
     def wants_errors(self, step: int) -> bool:
         return self._stale or (step + 1) % self.replan_every == 0
 
-    def observe(self, index: int, x: torch.Tensor, ctx) -> None:
+    def observe(self, index: int, x: torch.Tensor, ctx, codec: Codec) -> None:
         """Measure the bucket's energy and every option's compression error on this rank's bucket.
 
         gqsgd's error is that of the codec as it runs: each element against its parameter's global
         max |g| (``ctx.scales``, the header's; on the default job a bucket-wide max overstated 4-bit's
         error 3-9x and ruled unbiased options out). The errors come from an even sample of at most
         ERROR_SAMPLES elements, scaled up: the measuring step must not cost a pass per option over
-        the bucket."""
+        the bucket. A bucket that ran low rank has P's column scales in its header: gqsgd's errors are then
+        measured against this rank's own max |g| per parameter."""
+        scales = ctx.scales if codec.scale_params(ctx) is None else ctx.segments.absmax(x)
         self._shapes[index] = ctx.layout.shapes if ctx.layout is not None else None
         stride = -(-x.numel() // ERROR_SAMPLES) | 1  # odd: no lock-step with matrix rows
-        sample, scale = x[::stride], ctx.scales[ctx.segments.seg[::stride].long()]
+        sample, scale = x[::stride], scales[ctx.segments.seg[::stride].long()]
         factor = x.numel() / sample.numel()
         self._local_errors[index] = [float(x.square().sum())] + [option_error(option, sample, scale) * factor
                                                                  for option in self.options]
@@ -172,9 +174,10 @@ class AdaptivePlanner:
         self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                      "budget_s": self.budget_s(), "margin": self.margin(), "replanned": replanned,
                      "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
+                     # low rank counts as 1 here: its error is taken as the bucket's whole energy
                      "plan_error": max((self.relative[i][self.options.index(codec)]
                                         for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
-                     "predicted_comm_s": self._predicted, "plan_fits": self.fits}
+                     "predicted_comm_s": self._predicted, "plan_fits": self.fits, "climbing": self.climbing}
         return self.last
 
     def unfit_message(self) -> str:
@@ -248,23 +251,24 @@ class AdaptivePlanner:
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
-        wanted = self._choose(times, errors, safe)
+        wanted, self.fits = self._choose(times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
-        choice = self._choose(times, errors, held)  # sets `fits` for the plan that runs
-        self.climbing = choice != wanted  # held below what the estimate asks for: re-plan next step, one rung up
+        choice = wanted if held is safe else self._choose(times, errors, held)[0]
+        # held below the plan the estimate asks for: re-plan at the next step, one rung up
+        self.climbing = any(not row[w] for row, w in zip(held, wanted))
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
         self._stale = False
 
-    def _choose(self, times, errors, safe) -> list[int]:
-        """The plan among the safe options: unbiased ones that fit, else any that fit, else the fastest."""
+    def _choose(self, times, errors, safe) -> tuple[list[int], bool]:
+        """The plan among the safe options: unbiased ones that fit, else any that fit, else the fastest;
+        and whether it fits."""
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
         fitted = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget)
-        self.fits = fitted is not None
-        return fitted or _fastest(times, safe, uniform=self.mode == "kimad")
+        return fitted or _fastest(times, safe, uniform=self.mode == "kimad"), fitted is not None
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
@@ -282,7 +286,7 @@ class AdaptivePlanner:
             held = [[ok and near for ok, near in zip(row, reach)] for row in safe]
         else:
             held = [_within_reach(row, row[c], ok) for row, c, ok in zip(sizes, now, safe)]
-        return held if _any_plan(held, uniform=self.mode == "kimad") else safe  # nothing safe in reach: safety first
+        return held  # never empty: none is always safe, and the next larger safe option is always in reach
 
     def _agree_profiles(self, link) -> None:
         """Calibrate every option's encode/decode cost once; ranks agree on the slowest (MAX)."""
@@ -338,16 +342,11 @@ def _within_reach(sizes: list[float], current: float, safe: list[bool]) -> list[
     return [ok and (size <= limit or size == next_rung) for size, ok in zip(sizes, safe)]
 
 
-def _any_plan(allowed, uniform: bool) -> bool:
-    """Whether a plan exists: an allowed option in every bucket (kimad+), one allowed in all (kimad)."""
-    return any(all(column) for column in zip(*allowed)) if uniform else all(any(row) for row in allowed)
-
-
 def _fastest(times, allowed, uniform: bool) -> list[int]:
     """Nothing safe fits: the fastest safe option (per bucket, or one for all), the closest to fitting."""
     if uniform:
         width = len(times[0])
-        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe; see _any_plan
+        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe, and in reach (_reachable)
         return [min(common, key=lambda o: sum(ts[o] for ts in times))] * len(times)
     return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
 

@@ -466,7 +466,7 @@ class FixedChoice:
     def wants_errors(self, step: int) -> bool:
         return False
 
-    def observe(self, index: int, x: torch.Tensor, ctx: Context) -> None:
+    def observe(self, index: int, x: torch.Tensor, ctx: Context, codec: Codec) -> None:
         pass
 
     def end_step(self, communicator, step: int, backward_s: float, comm_s: float) -> dict:

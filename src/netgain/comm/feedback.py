@@ -44,14 +44,14 @@ class LowRankMemory:
         self.shared = torch.zeros(warm_numel, device=device)
 
     def restart(self, x: torch.Tensor, ctx) -> None:
-        """A step sent uncompressed (warm-up, a small bucket, non-finite) sends grad + e and leaves nothing
-        behind; the warm start stays. The header may have formed M = grad + e already (ctx.carry)."""
+        """A step sent by another codec (none: warm-up, a small bucket, non-finite; gqsgd: a plan) sends
+        grad + e; the warm start stays. The header may have formed M = grad + e already (ctx.carry)."""
         m = ctx.carry.get("m")
         if m is None:
             x.add_(self.local)
         elif m is not x:
             x.copy_(m)
-        self.local.zero_()
 
     def sync(self, grad: None, mean: torch.Tensor) -> None:
-        """Nothing to do: `restart` already left the residual at zero."""
+        """The step that carried e is done: nothing is left behind (a step that raised keeps e)."""
+        self.local.zero_()

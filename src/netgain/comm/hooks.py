@@ -253,7 +253,7 @@ class CommState:
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
             job["verdict"].set_result(None)
         if self.chooser.wants_errors(self.step) and codec is not _UNCOMPRESSED:
-            self.chooser.observe(index, x, ctx)  # only buckets the planner plans (not warm-up, not tiny ones)
+            self.chooser.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
         exact = None
         if layout.exact_index is not None and not uncompressed:
             exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
