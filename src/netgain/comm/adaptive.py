@@ -211,13 +211,14 @@ class AdaptivePlanner:
     def state_dict(self) -> dict:
         """What every rank agreed on (identical everywhere): the link estimate, the compute time and
         the recent overruns behind the margin."""
-        return {"bandwidth": self.monitor.bandwidth, "agreed_bandwidth": self.monitor.agreed_bandwidth,
+        return {"bandwidth": self.monitor.bandwidth, "agreed": list(self.monitor.agreed),
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "overruns": list(self._overruns)}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.update(state["bandwidth"] or 0.0, state["latency"], state["overhead_s"])
-        self.monitor.agreed_bandwidth = state.get("agreed_bandwidth", self.monitor.bandwidth)
+        self.monitor.agreed.clear()
+        self.monitor.agreed.extend(state.get("agreed", [state["bandwidth"]] if state["bandwidth"] else []))
         self._backward_s = state["backward_s"]
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))

@@ -20,14 +20,16 @@ the 0.9-quantile over recent steps of the step's summed collective times as the 
 (waiting for the slowest rank and queueing included) less the fit's prediction of the same
 collectives.
 
-A rise is followed once two steps agree: the bandwidth to plan with is the lower of the last two
-agreed estimates, and a fall counts at once. Right after a link change the window holds two
-steps, and a shaper's burst can make them look far faster than the link (1,449 Mbit/s estimated
-at 300 Mbit/s on the lab): planning fp32 on that overran the budget for a step.
+A rise is followed once it outlasts the window: the bandwidth to plan with is the lowest of the
+last window_steps agreed estimates, and a fall counts at once. A shaper's burst can make steps look
+far faster than the link (1,449 Mbit/s estimated at 300 Mbit/s on the lab), and a fit off the link
+lasts while its samples stay in the window (3+ steps at 5-20 Gbit/s at 300 Mbit/s): planning fp32
+on that overran the budget.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -44,15 +46,21 @@ class BandwidthMonitor:
     window_steps: steps of samples the fit uses; change: a step this many times slower or faster
     than the fit restarts the window (the link changed); spread: two samples give a slope only if
     their sizes differ by this factor; overhead_steps: steps the overhead quantile looks back;
-    skip_steps: first steps whose collectives are not samples (a process's first step waits for ranks
+    rise_steps: steps a higher estimate must hold before it is planned with (a fall counts at once): a fit
+    off the link lasts while its samples stay in the window (on the lab at 300 Mbit/s, 3+ steps read
+    5-20 Gbit/s and the plan sent fp32, 0.23-0.49 s against a 0.2 s budget), so a rise must outlast one
+    window; skip_steps: first steps whose collectives are not samples (a process's first step waits for ranks
     that start late and for first calls that compile: 0.6 s beyond the fit on `netgain train --task
     digits`, which the first plan took for per-step overhead); clock: when a collective completed (seconds).
     """
 
     def __init__(self, window_steps: int = 8, change: float = 1.5, spread: float = 1.5,
-                 overhead_steps: int = 20, max_samples: int = 256, skip_steps: int = 0, clock=time.perf_counter):
+                 overhead_steps: int = 20, max_samples: int = 256, skip_steps: int = 0, rise_steps: int | None = None,
+                 clock=time.perf_counter):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        if rise_steps is not None and rise_steps < 1:
+            raise ValueError(f"rise_steps must be >= 1, got {rise_steps}")
         if skip_steps < 0:
             raise ValueError(f"skip_steps must be >= 0, got {skip_steps}")
         if change <= 1:
@@ -61,7 +69,7 @@ class BandwidthMonitor:
         self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
         self._skip = skip_steps
         self.bandwidth: float | None = None  # bytes/s on the wire per rank to plan with (a rise confirmed)
-        self.agreed_bandwidth: float | None = None  # the last step's agreed estimate, confirmed or not
+        self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
         self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
@@ -106,10 +114,10 @@ class BandwidthMonitor:
 
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0) -> float | None:
         """Take the agreed estimate of one step (identical on every rank); returns the bandwidth to plan
-        with: the lower of this step's and the last step's estimates."""
+        with: the lowest of the last rise_steps steps' estimates."""
         if bandwidth > 0:
-            previous, self.agreed_bandwidth = self.agreed_bandwidth, bandwidth
-            self.bandwidth = min(bandwidth, previous) if previous else bandwidth
+            self.agreed.append(bandwidth)
+            self.bandwidth = min(self.agreed)
             self.latency, self.overhead_s = latency, overhead_s
         return self.bandwidth
 
