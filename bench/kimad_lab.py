@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     records = {}
     with terminate_on_signals():
         for name, extra in plan:
-            label = " ".join([name, *extra[:2], *extra[4:]]) if name.startswith("kimad") else " ".join([name, *extra])
+            label = " ".join([name, *extra[:2], *lowrank]) if name.startswith("kimad") else " ".join([name, *extra])
             print(f"== {label}", flush=True)
             records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"))
             if name == "kimad+" and "gqsgd" in codecs:  # queue the fixed codec that sends what kimad+ sent on average

@@ -262,7 +262,7 @@ def check_numbers(c: TrainConfig) -> None:
     _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
              "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
     _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
-    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and c.codec in ("kimad", "kimad+")),
+    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and c.codec in comm.ADAPTIVE_MODES),
              "kimad_lowrank_rank", "must be at least 1, and only with --codec kimad or kimad+", c.kimad_lowrank_rank)
     bits = comm.codecs.BITS_RANGE
     _require(c.bits in bits, "bits", f"must be in {bits.start}..{bits.stop - 1}", c.bits)

@@ -216,9 +216,9 @@ class AdaptivePlanner:
                 "backward_s": self._backward_s, "overruns": list(self._overruns)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.monitor.update(state["bandwidth"] or 0.0, state["latency"], state["overhead_s"])
         self.monitor.agreed.clear()
         self.monitor.agreed.extend(state.get("agreed", [state["bandwidth"]] if state["bandwidth"] else []))
+        self.monitor.latency, self.monitor.overhead_s = state["latency"], state["overhead_s"]
         self._backward_s = state["backward_s"]
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
@@ -347,7 +347,7 @@ def _fastest(times, allowed, uniform: bool) -> list[int]:
     """Nothing safe fits: the fastest safe option (per bucket, or one for all), the closest to fitting."""
     if uniform:
         width = len(times[0])
-        common = [o for o in range(width) if all(row[o] for row in allowed)]  # none (0) is always safe, and in reach (_reachable)
+        common = [o for o in range(width) if all(row[o] for row in allowed)]  # never empty: none (0) is always safe, and _reachable keeps a safe option
         return [min(common, key=lambda o: sum(ts[o] for ts in times))] * len(times)
     return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
 

@@ -68,7 +68,6 @@ class BandwidthMonitor:
         self.window_steps, self.change, self.spread = window_steps, change, spread
         self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
         self._skip = skip_steps
-        self.bandwidth: float | None = None  # bytes/s on the wire per rank to plan with (a rise confirmed)
         self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
@@ -117,9 +116,13 @@ class BandwidthMonitor:
         with: the lowest of the last rise_steps steps' estimates."""
         if bandwidth > 0:
             self.agreed.append(bandwidth)
-            self.bandwidth = min(self.agreed)
             self.latency, self.overhead_s = latency, overhead_s
         return self.bandwidth
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes/s on the wire per rank to plan with: the lowest recent agreed estimate (None before any)."""
+        return min(self.agreed, default=None)
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         """Seconds one collective of `payload_bytes` takes on the agreed fit (overhead not included)."""
