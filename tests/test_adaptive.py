@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
-from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit
+from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, link_rate, option_error
+from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, rate
 from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK, codec_profile
 from netgain.comm.fused import Segments
 from netgain.comm.lowrank import LowRank
@@ -74,6 +74,21 @@ def test_monitor_learns_from_small_payloads_alone():
     for _ in range(3):
         monitor_step(monitor, sizes, 1e6)
     assert first == pytest.approx(5e6, rel=0.01) and monitor.local_estimate()[0] == pytest.approx(1e6, rel=0.01)
+
+
+def test_bytes_that_cost_no_measurable_time_leave_the_rate_unmeasured():
+    """1-4 KB messages whose times are rank skew (0.3 or 1.3 ms, whatever their size): no slope to read,
+    so the rate is unmeasured (infinite) above the volumes sent, not the 2-6 MB/s their noise suggests."""
+    skew = [0.0003, 0.0013, 0.0013, 0.0003, 0.0003, 0.0013, 0.0013, 0.0003]
+    samples = [(size, seconds) for size, seconds in zip([1_000, 4_000, 1_000, 4_000, 2_000, 3_000, 2_000, 3_000] * 2,
+                                                         skew + skew[::-1])]
+    alpha, slope = fit(samples)
+    assert slope == 0.0 and rate(slope) == float("inf") and 0.0003 <= alpha <= 0.0013
+    monitor = BandwidthMonitor(clock=Clock())
+    for size, seconds in samples:
+        monitor.observe("allreduce", size / WIRE_FACTOR["allreduce"](2), seconds, 2)
+    assert monitor.local_estimate()[0] == float("inf")
+    assert "bytes cost no measurable time" in link_rate(float("inf")) and link_rate(12.5e6) == "100 Mbit/s"
 
 
 def test_monitor_follows_a_rate_change_in_two_steps_and_ignores_one_slow_step():
@@ -271,7 +286,8 @@ def test_low_rank_is_planned_where_no_unbiased_code_fits_and_priced_from_the_buc
 
 
 @pytest.mark.parametrize("mode", ["kimad", "kimad+"])
-def test_a_replan_climbs_one_rung_at_a_time_from_a_small_plan(mode):
+@pytest.mark.parametrize("faster", [1e10, float("inf")])
+def test_a_replan_climbs_one_rung_at_a_time_from_a_small_plan(mode, faster):
     """Steps of low rank's 8 KB read a shaper's burst as a fast link; the estimate asks for fp32 (4 MB). The
     plan climbs one safe option a step (gqsgd 8-bit, past the unsafe 2-bit, then none), measuring each,
     instead of jumping 500x."""
@@ -280,12 +296,13 @@ def test_a_replan_climbs_one_rung_at_a_time_from_a_small_plan(mode):
         return set(codec.describe() for _, codec in planner.plan.values())
     assert plan() == {"lowrank(rank=4,factors=gqsgd,bits=8)"}
     for _ in range(planner.monitor.agreed.maxlen):  # a rise counts once it outlasts the monitor's window
-        planner.monitor.update(1e10, 0.0, 0.0)
+        planner.monitor.update(faster, 0.0, 0.0)
     planner._solve(2)
     assert plan() == {"gqsgd(bits=8,encoding=packed)"} and planner.climbing and planner.fits  # re-plans next step
     planner._solve(2)
     assert plan() == {"none"} and not planner.climbing
     planner.monitor.update(1e6, 0.0, 0.0)  # the link is slow after all: straight down, no climb
+    assert planner._link_moved()
     planner._solve(2)
     assert plan() == {"lowrank(rank=4,factors=gqsgd,bits=8)"}
 

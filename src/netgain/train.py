@@ -870,7 +870,7 @@ def fit_link(steps: list[list[dict]], world_size: int) -> net.Link | None:
     if not samples:
         return None
     overhead, seconds_per_byte = bandwidth.fit(samples[-LINK_FIT_SAMPLES:])
-    return net.Link("this run", 1 / seconds_per_byte, 0.0, "fitted to the run's collectives", overhead=overhead,
+    return net.Link("this run", bandwidth.rate(seconds_per_byte), 0.0, "fitted to the run's collectives", overhead=overhead,
                     algorithm="ring")
 
 
@@ -891,9 +891,13 @@ def versus_fp32(summary: dict, hop_size: int, fsdp: bool) -> list[str]:
         predicted = "fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"
     else:
         predicted = (f"fp32 {summary['predicted_fp32_step_s']:.3g} s predicted on this link "
-                     f"({summary['link_bandwidth_Bps'] / 1e6:,.1f} MB/s, {summary['link_overhead_s'] * 1e6:,.0f} us "
+                     f"({_megabytes_per_s(summary['link_bandwidth_Bps'])}, {summary['link_overhead_s'] * 1e6:,.0f} us "
                      "per bucket, fitted to the run's collectives)")
     return [f"wire {wire / 1e6:.3g} MB/step vs {fp32 / 1e6:.3g} MB fp32: {saved}", f"{step}; {predicted}"]
+
+
+def _megabytes_per_s(bandwidth: float) -> str:
+    return f"{bandwidth / 1e6:,.1f} MB/s" if bandwidth < float("inf") else "bytes cost no measurable time"
 
 
 def format_table(summary: dict) -> str:

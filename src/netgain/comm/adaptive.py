@@ -185,7 +185,7 @@ class AdaptivePlanner:
         budget = f"{self.budget_s() * 1e3:.3g} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
-                f"{self.monitor.bandwidth * 8e-6:.0f} Mbit/s (with the margin for the steps' spread, x{self.margin():.2f}); "
+                f"{link_rate(self.monitor.bandwidth)} (with the margin for the steps' spread, x{self.margin():.2f}); "
                 f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step: {advice}")
 
     def _agree_errors(self, link) -> None:
@@ -204,9 +204,9 @@ class AdaptivePlanner:
     def _link_moved(self) -> bool:
         if self._planned_link is None:
             return False
-        bandwidth, overhead_s = self._planned_link
-        return (abs(self.monitor.bandwidth - bandwidth) > self.replan_threshold * bandwidth
-                or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s())
+        bandwidth, overhead_s = self._planned_link  # either may be infinite: bytes cost no measurable time
+        within = bandwidth / (1 + self.replan_threshold) <= self.monitor.bandwidth <= bandwidth * (1 + self.replan_threshold)
+        return not within or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s()
 
     def state_dict(self) -> dict:
         """What every rank agreed on (identical everywhere): the link estimate, the compute time and
@@ -312,6 +312,11 @@ class AdaptivePlanner:
                    for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
         seconds = wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
         return seconds, sum(nbytes for _, nbytes in payload)
+
+
+def link_rate(bandwidth: float) -> str:
+    """A bandwidth estimate in words: Mbit/s, or unmeasured where bytes cost no measurable time."""
+    return f"{bandwidth * 8e-6:.0f} Mbit/s" if bandwidth < float("inf") else "link (bytes cost no measurable time)"
 
 
 def _fit_knapsack(times, errors, allowed, budget) -> list[int] | None:

@@ -6,7 +6,10 @@ Small collectives (headers, heavily compressed payloads) pin the latency alpha, 
 slope 1/beta, so the estimate stays live whatever the plan sends (a minimum payload size froze it
 for 70 steps when every payload was tiny). The fit is Theil-Sen: the median of the slopes between
 pairs of samples, weighted by how far apart their sizes are, so a stray slow collective moves
-nothing and a per-transfer constant (latency, a token bucket's burst) drops out of the slope. A
+nothing and a per-transfer constant (latency, a token bucket's burst) drops out of the slope. Where
+the bytes cost no measurable time (the pairs disagree on the slope's sign: small messages on a fast
+link, whose times are rank skew), the rate is unmeasured above the volumes sent: infinite, so the
+plan climbs a rung at a time to larger messages that measure it (the planner's GROWTH). A
 step whose times are more than `change` times off the fit is held back; if the next step is off the
 same way, the link changed and the window restarts from those two steps (one stalled step alone
 moves nothing).
@@ -30,6 +33,7 @@ on that overran the budget.
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import torch
@@ -38,6 +42,7 @@ import torch
 WIRE_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "ring": lambda n: 2 * (n - 1) / n,
                "allgather": lambda n: n - 1}
 OVERHEAD_QUANTILE = 0.9
+UNMEASURED_SHARE = 0.25  # a slope counts when at most this share of the pairs' weight says bytes cost no time
 
 
 class BandwidthMonitor:
@@ -109,7 +114,7 @@ class BandwidthMonitor:
             return 0.0, 0.0, 0.0
         alpha, slope = self._local_fit
         extra = sorted(self._extra) or [0.0]
-        return 1.0 / slope, alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))])
+        return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))])
 
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0) -> float | None:
         """Take the agreed estimate of one step (identical on every rank); returns the bandwidth to plan
@@ -121,7 +126,8 @@ class BandwidthMonitor:
 
     @property
     def bandwidth(self) -> float | None:
-        """Bytes/s on the wire per rank to plan with: the lowest recent agreed estimate (None before any)."""
+        """Bytes/s on the wire per rank to plan with: the lowest recent agreed estimate (None before any;
+        infinite where bytes cost no measurable time)."""
         return min(self.agreed, default=None)
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
@@ -143,24 +149,36 @@ def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, f
     """(alpha, 1 / beta) of time = alpha + bytes / beta, robustly, from (bytes, seconds, ...) samples.
 
     The slope is the median of pairwise slopes weighted by the pair's size difference, over pairs
-    whose sizes differ by `spread` x. Where no slope can be measured (one size, or bytes cost no
-    time above the noise), 1 / beta falls back to the fastest rate any sample achieved, a lower
-    bound on the link's bandwidth, and alpha to the median time less that rate's share.
+    whose sizes differ by `spread` x. It counts only where the bytes cost measurable time: when more
+    than a quarter of that weight lies on pairs whose larger message was no slower (the times' noise
+    dwarfs the bytes, as small messages on a fast link), 1 / beta is 0, the link's rate unmeasured
+    above the volumes sent. On loopback, low rank's 1-4 KB messages otherwise read a slope out of rank
+    skew: 56 Mbit/s, and the plan stayed on the small messages that measured it. Where only one size
+    was sampled, 1 / beta falls back to the fastest rate any sample achieved, a lower bound on the
+    link's bandwidth, and alpha to the median time less that rate's share.
     """
     x = torch.tensor([s[0] for s in samples], dtype=torch.float64)
     t = torch.tensor([s[1] for s in samples], dtype=torch.float64)
     i, j = torch.triu_indices(len(samples), len(samples), offset=1)
     dx, dt = x[j] - x[i], t[j] - t[i]
     apart = torch.maximum(x[i], x[j]) >= spread * torch.minimum(x[i], x[j]).clamp(min=1.0)
-    slope = _weighted_median(dt[apart] / dx[apart], dx[apart].abs()) if bool(apart.any()) else None
-    if slope is None or slope <= 0:
+    if bool(apart.any()):
+        slopes, weights = dt[apart] / dx[apart], dx[apart].abs()
+        measured = _weighted_quantile(slopes, weights, UNMEASURED_SHARE) > 0
+        slope = _weighted_quantile(slopes, weights, 0.5) if measured else 0.0
+    else:
         rates = x / t.clamp(min=1e-9)
         slope = 1.0 / float(rates.max()) if float(rates.max()) > 0 else 1e-12
     alpha = float((t - slope * x).median().clamp(min=0.0))
     return alpha, slope
 
 
-def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
+def rate(slope: float) -> float:
+    """Bytes/s of a fitted slope (seconds per byte): infinite where the bytes cost no measurable time."""
+    return 1.0 / slope if slope > 0 else math.inf
+
+
+def _weighted_quantile(values: torch.Tensor, weights: torch.Tensor, q: float) -> float:
     order = values.argsort()
     cumulative = weights[order].cumsum(0)
-    return float(values[order][int(torch.searchsorted(cumulative, cumulative[-1] / 2))])
+    return float(values[order][int(torch.searchsorted(cumulative, cumulative[-1] * q))])
