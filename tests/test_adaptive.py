@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import netgain.comm as comm
 from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, link_rate, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, rate
+from netgain.comm.collectives import Communicator
 from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK, codec_profile
 from netgain.comm.fused import Segments
 from netgain.comm.lowrank import LowRank
@@ -89,6 +90,19 @@ def test_bytes_that_cost_no_measurable_time_leave_the_rate_unmeasured():
         monitor.observe("allreduce", size / WIRE_FACTOR["allreduce"](2), seconds, 2)
     assert monitor.local_estimate()[0] == float("inf")
     assert "bytes cost no measurable time" in link_rate(float("inf")) and link_rate(12.5e6) == "100 Mbit/s"
+
+
+def agreed_samples(rank, world_size):
+    """Rank 0 reached the header first and waited 5 ms for rank 1; the payload then took 2 ms on both."""
+    step = [(16.0, 0.005, 0.005), (1e6, 0.002, 0.003)] if rank == 0 else [(16.0, 0.0001, 0.0001), (1e6, 0.0021, 0.0021)]
+    return BandwidthMonitor.agree(Communicator(), step)
+
+
+def test_ranks_fit_each_collectives_least_service_time_and_report_the_most():
+    """The skew between ranks is not link time: the header's 5 ms wait on rank 0 is gone from the samples
+    both ranks fit; the reported times (the overhead no plan compresses) keep the slowest rank's."""
+    results = run(agreed_samples, 2)
+    assert results[0] == results[1] == ("ok", [(16.0, 0.0001, 0.005), (1e6, 0.002, 0.003)])
 
 
 def test_monitor_follows_a_rate_change_in_two_steps_and_ignores_one_slow_step():

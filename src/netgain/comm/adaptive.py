@@ -153,14 +153,16 @@ class AdaptivePlanner:
             link.observer = observer
 
     def _end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
-        bandwidth, latency, overhead = self.monitor.local_estimate()
-        # MAX of bandwidth, backward time, overhead and communication seconds, MIN of latency (-MAX of -latency)
-        agreed = link.allreduce(torch.tensor([bandwidth, backward_s, -latency, overhead, comm_s], dtype=torch.float64),
-                                torch.distributed.ReduceOp.MAX).tolist()
-        bandwidth = self.monitor.update(agreed[0], -agreed[2], agreed[3])
-        self._backward_s = agreed[1] if self._backward_s is None else 0.7 * self._backward_s + 0.3 * agreed[1]
+        samples = self.monitor.take_step()
+        # MAX of backward time and communication seconds; the sample counts' MAX and MIN (-MAX of -count)
+        backward_s, comm_s, most, fewest = link.allreduce(
+            torch.tensor([backward_s, comm_s, len(samples), -len(samples)], dtype=torch.float64),
+            torch.distributed.ReduceOp.MAX).tolist()
+        # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
+        bandwidth = self.monitor.update(*self.monitor.add_step(self.monitor.agree(link, samples) if most == -fewest else []))
+        self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         if self._predicted and not self._stale:
-            self._overruns.append(agreed[4] / self._predicted)
+            self._overruns.append(comm_s / self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)

@@ -8,19 +8,20 @@ for 70 steps when every payload was tiny). The fit is Theil-Sen: the median of t
 pairs of samples, weighted by how far apart their sizes are, so a stray slow collective moves
 nothing and a per-transfer constant (latency, a token bucket's burst) drops out of the slope. Where
 the bytes cost no measurable time (the pairs disagree on the slope's sign: small messages on a fast
-link, whose times are rank skew), the rate is unmeasured above the volumes sent: infinite, so the
-plan climbs a rung at a time to larger messages that measure it (the planner's GROWTH). A
+link), the rate is unmeasured above the volumes sent: infinite, so the plan climbs a rung at a time
+to larger messages that measure it (the planner's GROWTH). A
 step whose times are more than `change` times off the fit is held back; if the next step is off the
 same way, the link changed and the window restarts from those two steps (one stalled step alone
 moves nothing).
 
 A sample is a collective's service time: from its launch, or from the completion of the one
 before it if that came later (a payload queued behind the previous bucket's is not charged for
-that wait). Time spent waiting for the slowest rank only ever makes a rank's fit too slow, so
-ranks agree on the MAX bandwidth and the MIN latency (the planner's one small allreduce per step).
-`overhead_s` is what a step's collectives cost beyond the fit, which no plan can compress away:
+that wait). Ranks fit the same samples (`agree`): each collective's service time is the least any
+rank measured, since the last rank to arrive waits for no one. A rank's own times carry the skew
+between ranks: on loopback, a header's wait for the other rank's backward dwarfs any message's bytes,
+and low rank's 1-4 KB messages read 56 Mbit/s. `overhead_s` is what a step's collectives cost beyond the fit, which no plan can compress away:
 the 0.9-quantile over recent steps of the step's summed collective times as the hook reports them
-(waiting for the slowest rank and queueing included) less the fit's prediction of the same
+(the slowest rank's, waiting for other ranks and queueing included) less the fit's prediction of the same
 collectives.
 
 A rise is followed once it outlasts the window: the bandwidth to plan with is the lowest of the
@@ -90,11 +91,29 @@ class BandwidthMonitor:
         self._busy_until = max(self._busy_until, done)
         self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0), seconds))
 
-    def local_estimate(self) -> tuple[float, float, float]:
-        """This rank's (bandwidth, latency, overhead_s) after the step just ended; starts the next step.
-
-        bandwidth is 0 when nothing was sampled yet (the agreed MAX then comes from other ranks)."""
+    def take_step(self) -> list[tuple[float, float, float]]:
+        """The step's samples (wire bytes, service s, reported s) in the order its collectives ran; starts the next step."""
         step, self._step = self._step, []
+        return step
+
+    @staticmethod
+    def agree(link, step: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+        """Every rank's samples of the same collectives as one: each one's service time is the least any
+        rank measured, its reported time the most. The last rank to arrive waits for no one, so rank skew
+        (a slower backward reaching a bucket later) is not taken for link time. Call it on every rank with
+        the same number of samples (the planner checks)."""
+        if not step:
+            return step
+        times = torch.tensor([[-service, reported] for _, service, reported in step], dtype=torch.float64)
+        times = link.allreduce(times, torch.distributed.ReduceOp.MAX).tolist()
+        return [(wire, -service, reported) for (wire, _, _), (service, reported) in zip(step, times)]
+
+    def local_estimate(self) -> tuple[float, float, float]:
+        """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended."""
+        return self.add_step(self.take_step())
+
+    def add_step(self, step: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+        """(bandwidth, latency, overhead_s) after one step's samples; bandwidth is 0 before any sample."""
         if step and self._skip:
             self._skip, step = self._skip - 1, []
         if step:
