@@ -100,13 +100,16 @@ class BandwidthMonitor:
     def agree(link, step: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
         """Every rank's samples of the same collectives as one: each one's service time is the least any
         rank measured, its reported time the most. The last rank to arrive waits for no one, so rank skew
-        (a slower backward reaching a bucket later) is not taken for link time. Call it on every rank with
-        the same number of samples (the planner checks)."""
+        (a slower backward reaching a bucket later) is not taken for link time. Samples are matched by size,
+        not by order: in-flight collectives complete in a different order on different ranks. Call it on
+        every rank with the same number of samples (the planner checks)."""
         if not step:
             return step
-        times = torch.tensor([[-service, reported] for _, service, reported in step], dtype=torch.float64)
-        times = link.allreduce(times, torch.distributed.ReduceOp.MAX).tolist()
-        return [(wire, -service, reported) for (wire, _, _), (service, reported) in zip(step, times)]
+        step = sorted(step)
+        # sizes too (MAX): every rank then fits identical samples, so every rank makes the same plan
+        agreed = torch.tensor([[wire, -service, reported] for wire, service, reported in step], dtype=torch.float64)
+        return [(wire, -service, reported) for wire, service, reported
+                in link.allreduce(agreed, torch.distributed.ReduceOp.MAX).tolist()]
 
     def local_estimate(self) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended."""
