@@ -153,13 +153,14 @@ class AdaptivePlanner:
             link.observer = observer
 
     def _end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
-        samples = self.monitor.take_step()
+        samples, reported_s = self.monitor.take_step()
         # MAX of backward time and communication seconds; the sample counts' MAX and MIN (-MAX of -count)
         backward_s, comm_s, most, fewest = link.allreduce(
             torch.tensor([backward_s, comm_s, len(samples), -len(samples)], dtype=torch.float64),
             torch.distributed.ReduceOp.MAX).tolist()
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
-        bandwidth = self.monitor.update(*self.monitor.add_step(self.monitor.agree(link, samples) if most == -fewest else []))
+        agreed = self.monitor.agree(link, samples, reported_s) if most == -fewest else ([], 0.0)
+        bandwidth = self.monitor.update(*self.monitor.add_step(*agreed))
         self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         if self._predicted and not self._stale:
             self._overruns.append(comm_s / self._predicted)

@@ -77,7 +77,8 @@ class BandwidthMonitor:
         self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
-        self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
+        self._step: list[tuple[float, float]] = []  # (wire bytes, service s) of this step's collectives
+        self._reported = 0.0                             # seconds they took as reported, this step
         self._window: list[list[tuple[float, float, float]]] = []
         self._extra: list[float] = []
         self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of this rank
@@ -89,33 +90,33 @@ class BandwidthMonitor:
         done = self.clock()
         service = min(seconds, done - self._busy_until)
         self._busy_until = max(self._busy_until, done)
-        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0), seconds))
+        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0)))
+        self._reported += seconds
 
-    def take_step(self) -> list[tuple[float, float, float]]:
-        """The step's samples (wire bytes, service s, reported s) in the order its collectives ran; starts the next step."""
-        step, self._step = self._step, []
-        return step
+    def take_step(self) -> tuple[list[tuple[float, float]], float]:
+        """The step's samples (wire bytes, service s) and the seconds its collectives reported in all; starts the next step."""
+        step, reported_s, self._step, self._reported = self._step, self._reported, [], 0.0
+        return step, reported_s
 
     @staticmethod
-    def agree(link, step: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    def agree(link, step: list[tuple[float, float]], reported_s: float) -> tuple[list[tuple[float, float]], float]:
         """Every rank's samples of the same collectives as one: each one's service time is the least any
-        rank measured, its reported time the most. The last rank to arrive waits for no one, so rank skew
+        rank measured, and the step's reported seconds the most any rank's summed. The last rank to arrive waits for no one, so rank skew
         (a slower backward reaching a bucket later) is not taken for link time. Samples are matched by size,
         not by order: in-flight collectives complete in a different order on different ranks. Call it on
         every rank with the same number of samples (the planner checks)."""
         if not step:
-            return step
-        step = sorted(step)
+            return step, reported_s
         # sizes too (MAX): every rank then fits identical samples, so every rank makes the same plan
-        agreed = torch.tensor([[wire, -service, reported] for wire, service, reported in step], dtype=torch.float64)
-        return [(wire, -service, reported) for wire, service, reported
-                in link.allreduce(agreed, torch.distributed.ReduceOp.MAX).tolist()]
+        rows = [[wire, -service] for wire, service in sorted(step)] + [[reported_s, 0.0]]
+        *agreed, (reported_s, _) = link.allreduce(torch.tensor(rows, dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
+        return [(wire, -service) for wire, service in agreed], reported_s
 
     def local_estimate(self) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended."""
-        return self.add_step(self.take_step())
+        return self.add_step(*self.take_step())
 
-    def add_step(self, step: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    def add_step(self, step: list[tuple[float, float]], reported_s: float) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) after one step's samples; bandwidth is 0 before any sample."""
         if step and self._skip:
             self._skip, step = self._skip - 1, []
@@ -130,8 +131,8 @@ class BandwidthMonitor:
         if step:
             self._window = (self._window + [step])[-self.window_steps:]
             self._local_fit = fit([s for samples in self._window for s in samples][-self.max_samples:], self.spread)
-            predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _, _ in step)
-            self._extra = (self._extra + [sum(r for _, _, r in step) - predicted])[-self.overhead_steps:]
+            predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _ in step)
+            self._extra = (self._extra + [reported_s - predicted])[-self.overhead_steps:]
         if self._local_fit is None:
             return 0.0, 0.0, 0.0
         alpha, slope = self._local_fit
@@ -160,8 +161,8 @@ class BandwidthMonitor:
 
     def _moved(self, step, alpha: float, slope: float) -> int:
         """+1 if the step ran `change` x slower than the fit, -1 if that much faster, else 0."""
-        predicted = sum(alpha + x * slope for x, _, _ in step)
-        measured = sum(s for _, s, _ in step)
+        predicted = sum(alpha + x * slope for x, _ in step)
+        measured = sum(s for _, s in step)
         if predicted <= 0:
             return 0
         return 1 if measured > self.change * predicted else -1 if measured * self.change < predicted else 0
