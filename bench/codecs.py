@@ -1,8 +1,11 @@
 """Codec cost on this machine: encode + decode time per million elements of a whole bucket, relative
-to a plain fp32 -> fp16 cast of the same tensor measured in the same run, and wire bits per element.
+to a plain fp32 -> fp16 cast of the same tensor, and wire bits per element.
 
-Encode includes the per-parameter max |g| the header needs. Each (codec, size, threads) is timed
-after one untimed call; that first call's extra time is the compile (torch.compile, when a compiler
+Encode includes the per-parameter max |g| the header needs. Each repeat times the cast, the cast into
+a buffer and the codec back to back (A B A B): the cast alone moves between runs (1.41 against
+1.57 ms/M at 4M elements, one thread), so a ratio holds against the cast of the same moment; the table
+gives each ratio's median over the repeats and the x cast ratio's min-max. Each (codec, size, threads)
+is timed after one untimed call; that first call's extra time is the compile (torch.compile, when a compiler
 is present; NETGAIN_COMPILE=0 times the eager path). A second process then repeats the first calls
 at the first size and the last thread count, as a restarted job would, to show what compiling
 costs once the cache is warm.
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -28,16 +32,23 @@ from netgain.comm.codecs import SETTINGS as VARIANTS, bucket_wire_bits, make_cod
 from provenance import git_commit, wait_for_quiet, write_csv
 
 
-def cast_seconds(numel: int, repeats: int, into_buffer: bool) -> float:
-    """fp32 -> fp16 of numel elements: x.to(fp16) (a new tensor, as earlier runs of this bench) or into a buffer."""
-    x = torch.randn(numel)
-    out = torch.empty(numel, dtype=torch.float16)
-    times = []
+def cast_seconds(x: torch.Tensor, out: torch.Tensor | None = None) -> float:
+    """One fp32 -> fp16 cast of x: x.to(fp16) (a new tensor, as earlier runs of this bench), or into `out`."""
+    start = time.perf_counter()
+    out.copy_(x) if out is not None else x.to(torch.float16)
+    return time.perf_counter() - start
+
+
+def paired(codec, x: torch.Tensor, out: torch.Tensor, world_size: int, repeats: int, parameters: int) -> dict:
+    """Per repeat: the cast, the cast into a buffer, then the codec's encode + decode (one timed call)."""
+    runs = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        out.copy_(x) if into_buffer else x.to(torch.float16)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+        cast, cast_into = cast_seconds(x), cast_seconds(x, out)
+        t = time_codec(codec, x.numel(), world_size, repeats=1, parameters=parameters)
+        runs.append({"cast": cast, "cast_into": cast_into, **t})
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {
+        "x_cast": sorted((r["encode_s"] + r["decode_s"]) / r["cast"] for r in runs),
+        "x_into": statistics.median((r["encode_s"] + r["decode_s"]) / r["cast_into"] for r in runs)}
 
 
 COMPILER_IMPORT = "import of torch's compiler"
@@ -80,22 +91,24 @@ def main():
         torch.set_num_threads(threads)
         torch._dynamo.reset()  # inductor's C++ bakes the thread count in: recompile, or 2 threads run 1-thread code
         for numel in args.numel:
-            cast, cast_into = cast_seconds(numel, args.repeats, False), cast_seconds(numel, args.repeats, True)
+            x, out = torch.randn(numel), torch.empty(numel, dtype=torch.float16)
             per_million = 1e6 / numel
             for name, params in VARIANTS:
                 codec = make_codec(name, **params)
                 for n in args.world_size:
                     start = time.perf_counter()
-                    t = time_codec(codec, numel, n, repeats=args.repeats, parameters=args.parameters)
-                    total = t["encode_s"] + t["decode_s"]
-                    first = time.perf_counter() - start - args.repeats * total  # the untimed call, less one timed
+                    t = time_codec(codec, numel, n, repeats=1, parameters=args.parameters)
+                    first = time.perf_counter() - start - 2 * (t["encode_s"] + t["decode_s"])  # the untimed call, less a timed one
+                    t = paired(codec, x, out, n, args.repeats, args.parameters)
                     rows.append({"codec": codec.describe(), "numel": numel, "threads": threads, "world_size": n,
                                  "wire_bits": round(bucket_wire_bits(codec, numel, n, args.parameters), 3),
                                  "encode_ms_per_M": round(t["encode_s"] * per_million * 1e3, 3),
                                  "decode_ms_per_M": round(t["decode_s"] * per_million * 1e3, 3),
-                                 "cast_ms_per_M": round(cast * per_million * 1e3, 3),
-                                 "cast_into_ms_per_M": round(cast_into * per_million * 1e3, 3),
-                                 "x_fp16_cast": round(total / cast, 2), "x_cast_into": round(total / cast_into, 2),
+                                 "cast_ms_per_M": round(t["cast"] * per_million * 1e3, 3),
+                                 "cast_into_ms_per_M": round(t["cast_into"] * per_million * 1e3, 3),
+                                 "x_fp16_cast": round(statistics.median(t["x_cast"]), 2),
+                                 "x_fp16_cast_min": round(t["x_cast"][0], 2), "x_fp16_cast_max": round(t["x_cast"][-1], 2),
+                                 "x_cast_into": round(t["x_into"], 2),
                                  "first_call_extra_s": round(max(first, 0.0), 2),
                                  "unbiased": codec.unbiased})
                     print(rows[-1], flush=True)
@@ -117,14 +130,16 @@ def main():
         "parameters; encode includes the per-parameter max |g| of the header. Baselines, same run and thread count: "
         "the fp32 -> fp16 cast `x.to(torch.float16)` of the same size (`cast ms/M`, as earlier runs of this bench; "
         "it allocates its result) and the same cast into a preallocated tensor (`into ms/M`). `x cast`, `x into` = "
-        "(encode + decode) / each. `first call +s`: extra seconds of the first, untimed call (the compile, with a cold or warm cache "
+        "(encode + decode) / each, per repeat against the casts timed just before it: median (and x cast's min-max) "
+        "over the repeats. `first call +s`: extra seconds of the first, untimed call (the compile, with a cold or warm cache "
         "in this process). Wire bits: payload bits per element each rank contributes.",
         "",
-        "| codec | elements | threads | n | wire bits | encode ms/M | decode ms/M | cast ms/M | x cast | into ms/M | x into | first call +s | unbiased |",
+        "| codec | elements | threads | n | wire bits | encode ms/M | decode ms/M | cast ms/M | x cast (min-max) | into ms/M | x into | first call +s | unbiased |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['codec']} | {r['numel']:,} | {r['threads']} | {r['world_size']} | {r['wire_bits']} | "
-              f"{r['encode_ms_per_M']} | {r['decode_ms_per_M']} | {r['cast_ms_per_M']} | {r['x_fp16_cast']} | "
+              f"{r['encode_ms_per_M']} | {r['decode_ms_per_M']} | {r['cast_ms_per_M']} | "
+              f"{r['x_fp16_cast']} ({r['x_fp16_cast_min']}-{r['x_fp16_cast_max']}) | "
               f"{r['cast_into_ms_per_M']} | {r['x_cast_into']} | {r['first_call_extra_s']} | {'yes' if r['unbiased'] else 'no'} |" for r in rows]
     compiler_import_s = warm.pop(COMPILER_IMPORT)
     lines += ["", f"A second process, as a restarted job (the first size, {args.numel[0]:,} elements, at {args.threads[-1]} "
