@@ -89,6 +89,8 @@ def test_bytes_that_cost_no_measurable_time_leave_the_rate_unmeasured():
     for size, seconds in samples:
         monitor.observe("allreduce", size / WIRE_FACTOR["allreduce"](2), seconds, 2)
     assert monitor.local_estimate()[0] == float("inf")
+    monitor_step(monitor, [1_000, 1_000_000], 1e6)  # the plan climbed: the first larger message measures the rate
+    assert monitor.local_estimate()[0] < 2e6  # at once: larger messages taking longer is no link change to hold back
     assert "bytes cost no measurable time" in link_rate(float("inf")) and link_rate(12.5e6) == "100 Mbit/s"
 
 
@@ -134,7 +136,7 @@ def test_monitor_charges_a_queued_collective_only_its_own_time():
     monitor = BandwidthMonitor(clock=clock)
     monitor.observe("allreduce", 1_000_000, 0.2, 2)
     monitor.observe("allreduce", 1_000_000, 0.4, 2)
-    assert [round(s, 6) for _, s in monitor._step] == [0.2, 0.2]
+    assert [round(s, 6) for _, s, _ in monitor._step] == [0.2, 0.2]
     bandwidth, _, overhead = monitor.local_estimate()
     assert overhead == pytest.approx(0.2)  # the hook reports 0.6 s; the fit predicts 0.4 s
 

@@ -864,7 +864,8 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
 def fit_link(steps: list[list[dict]], world_size: int) -> net.Link | None:
     """This run's link for netgain's cost model, fitted to the run's own bucket collectives with Kimad's
     fit (bandwidth.fit): seconds = overhead + bytes sent / bandwidth, one overhead per bucket (its
-    header's included). None when nothing was timed: 1 worker, or PyTorch's hooks (ddp*)."""
+    header's included). None when nothing was timed: 1 worker, or PyTorch's hooks (ddp*). Rank 0's own
+    times, waits for slower ranks included (Kimad's planner fits each collective's least time across ranks)."""
     samples = [(bandwidth.WIRE_FACTOR[_collective(b["codec"])](world_size) * b["wire_bytes"], b["comm_s"])
                for buckets in steps for b in buckets if b["wire_bytes"]]
     if not samples:

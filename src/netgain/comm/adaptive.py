@@ -3,8 +3,8 @@
 Each step the ranks agree on the link (BandwidthMonitor: an alpha-beta fit of every collective
 the hook ran, and the seconds per step its reported times carry beyond the fit); the communication
 budget is a time target (given, or the measured backward time so communication hides under
-compute). Every `replan_every` steps, or when the link estimate moves by more than
-`replan_threshold`, the plan is re-solved:
+compute). Every `replan_every` steps, or when the link estimate moves by a factor beyond 1 + `replan_threshold`
+(either way), the plan is re-solved:
   kimad  - one option for every bucket;
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket.
 Options: uncompressed, gqsgd (packed) at each bit width, and either top-k (EF21) at each ratio or

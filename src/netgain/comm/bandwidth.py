@@ -7,8 +7,8 @@ slope 1/beta, so the estimate stays live whatever the plan sends (a minimum payl
 for 70 steps when every payload was tiny). The fit is Theil-Sen: the median of the slopes between
 pairs of samples, weighted by how far apart their sizes are, so a stray slow collective moves
 nothing and a per-transfer constant (latency, a token bucket's burst) drops out of the slope. Where
-the bytes cost no measurable time (the pairs disagree on the slope's sign: small messages on a fast
-link), the rate is unmeasured above the volumes sent: infinite, so the plan climbs a rung at a time
+the bytes cost no measurable time (more than a quarter of the pairs' weight on a larger message
+that was no slower: small messages on a fast link), the rate is unmeasured above the volumes sent: infinite, so the plan climbs a rung at a time
 to larger messages that measure it (the planner's GROWTH). A
 step whose times are more than `change` times off the fit is held back; if the next step is off the
 same way, the link changed and the window restarts from those two steps (one stalled step alone
@@ -43,7 +43,7 @@ import torch
 WIRE_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "ring": lambda n: 2 * (n - 1) / n,
                "allgather": lambda n: n - 1}
 OVERHEAD_QUANTILE = 0.9
-UNMEASURED_SHARE = 0.25  # a slope counts when at most this share of the pairs' weight says bytes cost no time
+UNMEASURED_SHARE = 0.25  # a slope counts when at most this share of the pairs' weight has the larger message no slower
 
 
 class BandwidthMonitor:
@@ -77,11 +77,10 @@ class BandwidthMonitor:
         self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
-        self._step: list[tuple[float, float]] = []  # (wire bytes, service s) of this step's collectives
-        self._reported = 0.0                             # seconds they took as reported, this step
-        self._window: list[list[tuple[float, float, float]]] = []
+        self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
+        self._window: list[list[tuple[float, float]]] = []  # (wire bytes, service s) of recent steps
         self._extra: list[float] = []
-        self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of this rank
+        self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of the samples fitted
         self._held: tuple[int, list] | None = None          # (direction, samples) of a step off the fit
         self._busy_until = 0.0
 
@@ -90,13 +89,12 @@ class BandwidthMonitor:
         done = self.clock()
         service = min(seconds, done - self._busy_until)
         self._busy_until = max(self._busy_until, done)
-        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0)))
-        self._reported += seconds
+        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0), seconds))
 
     def take_step(self) -> tuple[list[tuple[float, float]], float]:
         """The step's samples (wire bytes, service s) and the seconds its collectives reported in all; starts the next step."""
-        step, reported_s, self._step, self._reported = self._step, self._reported, [], 0.0
-        return step, reported_s
+        step, self._step = self._step, []  # one swap: a collective completing on another thread lands in one step or the next
+        return [(wire, service) for wire, service, _ in step], sum(reported for _, _, reported in step)
 
     @staticmethod
     def agree(link, step: list[tuple[float, float]], reported_s: float) -> tuple[list[tuple[float, float]], float]:
@@ -121,7 +119,8 @@ class BandwidthMonitor:
         if step and self._skip:
             self._skip, step = self._skip - 1, []
         if step:
-            moved = 0 if self._local_fit is None else self._moved(step, *self._local_fit)
+            # against an unmeasured rate (slope 0) larger messages taking longer is its first measurement, not a change
+            moved = 0 if self._local_fit is None or not self._local_fit[1] else self._moved(step, *self._local_fit)
             if moved and self._held is not None and self._held[0] == moved:
                 self._window, self._held = [self._held[1]], None  # two steps agree: the link changed
             elif moved:
@@ -187,8 +186,8 @@ def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, f
     apart = torch.maximum(x[i], x[j]) >= spread * torch.minimum(x[i], x[j]).clamp(min=1.0)
     if bool(apart.any()):
         slopes, weights = dt[apart] / dx[apart], dx[apart].abs()
-        measured = _weighted_quantile(slopes, weights, UNMEASURED_SHARE) > 0
-        slope = _weighted_quantile(slopes, weights, 0.5) if measured else 0.0
+        measured = float(weights[slopes <= 0].sum()) <= UNMEASURED_SHARE * float(weights.sum())
+        slope = _weighted_median(slopes, weights) if measured else 0.0
     else:
         rates = x / t.clamp(min=1e-9)
         slope = 1.0 / float(rates.max()) if float(rates.max()) > 0 else 1e-12
@@ -201,7 +200,7 @@ def rate(slope: float) -> float:
     return 1.0 / slope if slope > 0 else math.inf
 
 
-def _weighted_quantile(values: torch.Tensor, weights: torch.Tensor, q: float) -> float:
+def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
     order = values.argsort()
     cumulative = weights[order].cumsum(0)
-    return float(values[order][int(torch.searchsorted(cumulative, cumulative[-1] * q))])
+    return float(values[order][int(torch.searchsorted(cumulative, cumulative[-1] / 2))])

@@ -435,6 +435,8 @@ def bucket_collectives(numel: int, world_size: int, link: Link, codec: CodecProf
 
 def refill(tokens: float, sent: float, seconds: float, link: Link) -> float:
     """The shaper's tokens after `seconds` during which this rank sent `sent` bytes."""
+    if link.bandwidth == math.inf:  # a fitted link whose bytes cost no measurable time: 0 s x inf is no refill
+        return link.burst
     return min(link.burst, max(0.0, tokens - sent + seconds * link.bandwidth))
 
 
