@@ -26,11 +26,12 @@ def same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def ran_every_step(run, steps):
-    """The hook's statistics: one entry per optimizer step, each with bytes on the wire; fewer than raw overall."""
+def ran_every_step(run, steps, compressed=True):
+    """The hook's statistics: one entry per optimizer step, each with bytes on the wire; fewer than raw overall
+    where the codec is fixed (an adaptive plan may send fp32 where the link is free: loopback)."""
     assert [h["step"] for h in run["hook"]] == list(range(steps))
     assert all(h["buckets"] >= 1 and h["wire_bytes"] > 0 for h in run["hook"]), run["hook"]
-    assert sum(h["wire_bytes"] for h in run["hook"]) < sum(h["raw_bytes"] for h in run["hook"])
+    assert not compressed or sum(h["wire_bytes"] for h in run["hook"]) < sum(h["raw_bytes"] for h in run["hook"])
 
 
 # ---- Lightning --------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def lightning_ranks(tmp_path_factory):
 def test_lightning_hook_runs_every_step_on_cpu(lightning_ranks, codec):
     for run in (rank[codec] for rank in lightning_ranks):
         assert run["global_step"] == 16  # 2 epochs of 64 samples per rank, batch 8
-        ran_every_step(run, 16)
+        ran_every_step(run, 16, compressed=not codec.startswith("kimad"))
     assert same(lightning_ranks[0][codec]["params"], lightning_ranks[1][codec]["params"])
     assert all(c.startswith(codec.rstrip("+")) or codec.startswith("kimad") for c in lightning_ranks[0][codec]["codecs"])
 
