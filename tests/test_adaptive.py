@@ -103,9 +103,9 @@ def agreed_samples(rank, world_size):
 
 def test_ranks_fit_each_collectives_least_service_time_and_report_the_most():
     """The skew between ranks is not link time: the header's 5 ms wait on rank 0 is gone from the samples
-    both ranks fit, and from the step's reported seconds (the overhead beyond the fit)."""
+    both ranks fit; the step's reported seconds (overhead no plan compresses) are the slowest rank's."""
     results = run(agreed_samples, 2)
-    assert results[0] == results[1] == ("ok", ([(16.0, 0.0001), (1e6, 0.002)], 0.0022))
+    assert results[0] == results[1] == ("ok", ([(16.0, 0.0001), (1e6, 0.002)], 0.008))
 
 
 def test_monitor_follows_a_rate_change_in_two_steps_and_ignores_one_slow_step():

@@ -154,12 +154,10 @@ class AdaptivePlanner:
 
     def _end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
         samples, reported_s = self.monitor.take_step()
-        # MAX of backward time; MIN of communication seconds (as the monitor's: waits for a slower rank's backward
-        # are no plan's doing); the sample counts' MAX and MIN (-MAX of -x: MIN)
+        # MAX of backward time and communication seconds; the sample counts' MAX and MIN (-MAX of -count)
         backward_s, comm_s, most, fewest = link.allreduce(
-            torch.tensor([backward_s, -comm_s, len(samples), -len(samples)], dtype=torch.float64),
+            torch.tensor([backward_s, comm_s, len(samples), -len(samples)], dtype=torch.float64),
             torch.distributed.ReduceOp.MAX).tolist()
-        comm_s = -comm_s
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
         agreed = self.monitor.agree(link, samples, reported_s) if most == -fewest else ([], 0.0)
         bandwidth = self.monitor.update(*self.monitor.add_step(*agreed))

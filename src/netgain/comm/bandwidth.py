@@ -21,9 +21,8 @@ rank measured, since the last rank to arrive waits for no one. A rank's own time
 between ranks: on loopback, a header's wait for the other rank's backward dwarfs any message's bytes,
 and low rank's 1-4 KB messages read 56 Mbit/s. `overhead_s` is what a step's collectives cost beyond the fit, which no plan can compress away:
 the 0.9-quantile over recent steps of the step's summed collective times as the hook reports them
-(queueing included; the least any rank's summed, as for the samples: a rank's wait for a slower rank's
-backward is compute skew that no plan changes, and on the lab it was 0.15 s a step, which the plan had
-taken out of a 0.2 s budget) less the fit's prediction of the same collectives.
+(the slowest rank's, waiting for other ranks and queueing included) less the fit's prediction of the same
+collectives.
 
 A rise is followed once it outlasts the window: the bandwidth to plan with is the lowest of the
 last window_steps agreed estimates, and a fall counts at once. A shaper's burst can make steps look
@@ -100,16 +99,16 @@ class BandwidthMonitor:
     @staticmethod
     def agree(link, step: list[tuple[float, float]], reported_s: float) -> tuple[list[tuple[float, float]], float]:
         """Every rank's samples of the same collectives as one: each one's service time is the least any
-        rank measured, and the step's reported seconds the least any rank's summed. The last rank to arrive waits for no one, so rank skew
+        rank measured, and the step's reported seconds the most any rank's summed. The last rank to arrive waits for no one, so rank skew
         (a slower backward reaching a bucket later) is not taken for link time. Samples are matched by size,
         not by order: in-flight collectives complete in a different order on different ranks. Call it on
         every rank with the same number of samples (the planner checks)."""
         if not step:
             return step, reported_s
         # sizes too (MAX): every rank then fits identical samples, so every rank makes the same plan
-        rows = [[wire, -service] for wire, service in sorted(step)] + [[-reported_s, 0.0]]
+        rows = [[wire, -service] for wire, service in sorted(step)] + [[reported_s, 0.0]]
         *agreed, (reported_s, _) = link.allreduce(torch.tensor(rows, dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
-        return [(wire, -service) for wire, service in agreed], -reported_s
+        return [(wire, -service) for wire, service in agreed], reported_s
 
     def local_estimate(self) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended."""
