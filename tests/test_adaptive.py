@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, link_rate, option_error
-from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, rate
+from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
+from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
 from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK, codec_profile
 from netgain.comm.fused import Segments
@@ -91,7 +91,7 @@ def test_bytes_that_cost_no_measurable_time_leave_the_rate_unmeasured():
     assert monitor.local_estimate()[0] == float("inf")
     monitor_step(monitor, [1_000, 1_000_000], 1e6)  # the plan climbed: the first larger message measures the rate
     assert monitor.local_estimate()[0] < 2e6  # at once: larger messages taking longer is no link change to hold back
-    assert "bytes cost no measurable time" in link_rate(float("inf")) and link_rate(12.5e6) == "100 Mbit/s"
+    assert "bytes cost no measurable time" in in_words(float("inf")) and in_words(12.5e6) == "100 Mbit/s"
 
 
 def agreed_samples(rank, world_size):

@@ -892,13 +892,9 @@ def versus_fp32(summary: dict, hop_size: int, fsdp: bool) -> list[str]:
         predicted = "fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"
     else:
         predicted = (f"fp32 {summary['predicted_fp32_step_s']:.3g} s predicted on this link "
-                     f"({_megabytes_per_s(summary['link_bandwidth_Bps'])}, {summary['link_overhead_s'] * 1e6:,.0f} us "
+                     f"({bandwidth.in_words(summary['link_bandwidth_Bps'], 'MB/s')}, {summary['link_overhead_s'] * 1e6:,.0f} us "
                      "per bucket, fitted to the run's collectives)")
     return [f"wire {wire / 1e6:.3g} MB/step vs {fp32 / 1e6:.3g} MB fp32: {saved}", f"{step}; {predicted}"]
-
-
-def _megabytes_per_s(bandwidth: float) -> str:
-    return f"{bandwidth / 1e6:,.1f} MB/s" if bandwidth < float("inf") else "bytes cost no measurable time"
 
 
 def format_table(summary: dict) -> str:

@@ -43,7 +43,7 @@ import torch
 
 from .. import plan as knapsack
 from ..cost import network
-from .bandwidth import BandwidthMonitor
+from .bandwidth import BandwidthMonitor, in_words
 from .codecs import Codec, GlobalQSGD, NoCompression, TopK, codec_profile
 from .lowrank import LowRank
 from .quantize import levels_per_side
@@ -188,7 +188,7 @@ class AdaptivePlanner:
         budget = f"{self.budget_s() * 1e3:.3g} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
-                f"{link_rate(self.monitor.bandwidth)} (with the margin for the steps' spread, x{self.margin():.2f}); "
+                f"link ({in_words(self.monitor.bandwidth)}, with the margin for the steps' spread, x{self.margin():.2f}); "
                 f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step: {advice}")
 
     def _agree_errors(self, link) -> None:
@@ -315,11 +315,6 @@ class AdaptivePlanner:
                    for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
         seconds = wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
         return seconds, sum(nbytes for _, nbytes in payload)
-
-
-def link_rate(bandwidth: float) -> str:
-    """A bandwidth estimate in words: Mbit/s, or unmeasured where bytes cost no measurable time."""
-    return f"{bandwidth * 8e-6:.0f} Mbit/s" if bandwidth < float("inf") else "link (bytes cost no measurable time)"
 
 
 def _fit_knapsack(times, errors, allowed, budget) -> list[int] | None:

@@ -206,6 +206,13 @@ def rate(slope: float) -> float:
     return 1.0 / slope if slope > 0 else math.inf
 
 
+def in_words(bandwidth: float, unit: str = "Mbit/s") -> str:
+    """A bandwidth (bytes/s) in words, in Mbit/s or MB/s; an infinite one is a rate the bytes did not measure."""
+    if bandwidth == math.inf:
+        return "bytes cost no measurable time"
+    return f"{bandwidth * 8e-6:.0f} Mbit/s" if unit == "Mbit/s" else f"{bandwidth / 1e6:,.1f} MB/s"
+
+
 def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
     order = values.argsort()
     cumulative = weights[order].cumsum(0)
