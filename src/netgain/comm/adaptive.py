@@ -257,7 +257,7 @@ class AdaptivePlanner:
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
         wanted, self.fits = self._choose(times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
-        choice = wanted if held is safe else self._choose(times, errors, held)[0]
+        choice = wanted if held == safe else self._choose(times, errors, held)[0]
         # held below the plan the estimate asks for: re-plan at the next step, one rung up
         self.climbing = any(not row[w] for row, w in zip(held, wanted))
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
