@@ -208,6 +208,24 @@ def test_resume_does_not_overwrite_its_checkpoint(tmp_path):
     assert config("--resume", str(path), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8").checkpoint
 
 
+def test_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
+    """Nothing a user has at --checkpoint is overwritten: a file or folder that is not netgain's is refused."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    for path in ("notes.txt", "folder"):
+        with pytest.raises(ValueError, match=f"--checkpoint .*{path} exists and is not a netgain train checkpoint"):
+            config("--checkpoint", str(tmp_path / path))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    earlier = fake_checkpoint(tmp_path / "ck.pt")
+    assert config("--checkpoint", str(earlier)).checkpoint == str(earlier)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--out", "--checkpoint", "--resume"])
+def test_empty_path_is_refused_not_taken_as_absent(flag):
+    with pytest.raises(ValueError, match=f"{flag} must not be empty"):
+        config(flag, "")
+
+
 def test_resume_keeps_the_checkpoints_warmup_unless_told(tmp_path):
     """A low-rank checkpoint from before the default of 2 warm-up steps resumes as it was trained."""
     path = fake_checkpoint(tmp_path / "ck.pt", codec="lowrank", warmup_steps=0)

@@ -201,12 +201,16 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          checkpoint_every=args.checkpoint_every, resume=args.resume,
                          hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
                          collective_timeout=args.collective_timeout)
+    for name in ("data", "out", "checkpoint", "resume"):  # '' is a typo, never "not given"
+        _require(getattr(args, name) != "", name, "must not be empty (leave the flag out instead)", "''")
     check_numbers(config)
     if not launched_by_torchrun():
         check_local_world_size(config.world_size)
     check_data(config)
     if config.fsdp:
         check_fsdp(config, checkpoint)
+    if config.checkpoint:
+        check_checkpoint_paths(config, checkpoint)
     if checkpoint:
         check_resume(config, checkpoint)
     return config
@@ -240,13 +244,28 @@ def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
         raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
                          "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
                          "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
+
+
+def check_checkpoint_paths(c: TrainConfig, checkpoint: dict | None) -> None:
+    """A --checkpoint path that exists is replaced only when it is an earlier checkpoint of the same kind:
+    nothing else a user has there is overwritten."""
     start = checkpoint["step"] if checkpoint else 0
     for step in _checkpoint_steps(c, start):
         path = Path(c.checkpoint.replace("{step}", str(step)))
-        if path.exists() and not (path / SHARDED_CHECKPOINT_FILE).is_file():
+        if not path.exists():
+            continue
+        if c.fsdp and not (path / SHARDED_CHECKPOINT_FILE).is_file():
             raise ValueError(f"--checkpoint {path} exists and is not a netgain --fsdp checkpoint (a folder with "
                              f"{SHARDED_CHECKPOINT_FILE}); under --fsdp the checkpoint folder is replaced: "
                              "give a new path")
+        if not c.fsdp:
+            try:
+                earlier = not path.is_dir() and bool(read_checkpoint(str(path)))
+            except ValueError:
+                earlier = False
+            if not earlier:
+                raise ValueError(f"--checkpoint {path} exists and is not a netgain train checkpoint; a checkpoint "
+                                 "replaces only an earlier one: give a new path")
 
 
 def check_numbers(c: TrainConfig) -> None:
