@@ -254,18 +254,19 @@ def check_checkpoint_paths(c: TrainConfig, checkpoint: dict | None) -> None:
         path = Path(c.checkpoint.replace("{step}", str(step)))
         if not path.exists():
             continue
-        if c.fsdp and not (path / SHARDED_CHECKPOINT_FILE).is_file():
-            raise ValueError(f"--checkpoint {path} exists and is not a netgain --fsdp checkpoint (a folder with "
-                             f"{SHARDED_CHECKPOINT_FILE}); under --fsdp the checkpoint folder is replaced: "
-                             "give a new path")
-        if not c.fsdp:
-            try:
-                earlier = not path.is_dir() and bool(read_checkpoint(str(path)))
-            except ValueError:
-                earlier = False
-            if not earlier:
-                raise ValueError(f"--checkpoint {path} exists and is not a netgain train checkpoint; a checkpoint "
-                                 "replaces only an earlier one: give a new path")
+        earlier = (path / SHARDED_CHECKPOINT_FILE).is_file() if c.fsdp else path.is_file() and _is_checkpoint(path)
+        if not earlier:
+            kind = "--fsdp checkpoint (a folder with " + SHARDED_CHECKPOINT_FILE + ")" if c.fsdp else "train checkpoint"
+            raise ValueError(f"--checkpoint {path} exists and is not a netgain {kind}; a checkpoint replaces "
+                             "only an earlier one: give a new path")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    try:
+        read_checkpoint(str(path))
+    except ValueError:
+        return False
+    return True
 
 
 def check_numbers(c: TrainConfig) -> None:

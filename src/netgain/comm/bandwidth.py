@@ -116,10 +116,6 @@ class BandwidthMonitor:
         *agreed, (reported_s, _) = agreed
         return [(wire, -service) for wire, service in agreed], reported_s
 
-    def local_estimate(self) -> tuple[float, float, float]:
-        """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended."""
-        return self.add_step(*self.take_step())
-
     def add_step(self, step: list[tuple[float, float]], reported_s: float) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) after one step's samples; bandwidth is 0 before any sample."""
         if step and self._skip:
