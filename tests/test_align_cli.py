@@ -113,3 +113,33 @@ def test_negative_check_seqs_is_refused_before_loading(tmp_path):
     args = parse("--out", str(tmp_path / "out"), "--check-seqs", "-1", "--cost", "a100")
     with pytest.raises(SystemExit, match="--check-seqs must be 0"):
         cli.run(args)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--calib-seqs", "0"], "--calib-seqs must be at least 1, got 0"),
+    (["--calib-len", "0"], "--calib-len must be at least 2, got 0"),
+    (["--eval-chunks", "0"], "--eval-chunks must be at least 1, got 0"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--threads", "-1"], "--threads must be at least 1, got -1"),
+])
+def test_bad_count_is_named_before_loading(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.run(parse("--out", str(tmp_path / "out"), "--cost", "a100", *flags))
+
+
+def test_bad_paths_are_named_before_compressing(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "model"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("a user's file")
+    out = ["--out", str(tmp_path / "out")]
+    for argv, message in (
+        ([*out, "--calib", str(tmp_path / "missing.txt")], "--calib .*missing.txt: No such file"),
+        ([*out, "--calib", str(tmp_path / "empty")], "--calib .*empty: no [*].txt files"),
+        ([*out, "--eval", str(tmp_path / "missing.txt")], "--eval .*missing.txt: No such file"),
+        (["--out", str(tmp_path / "file")], "is an existing file, not a directory"),
+        (["--out", ""], "--out is empty"),
+        ([*out, "--cost", "measured", "--cache", str(tmp_path / "empty")], "cache .*empty exists and is not a file"),
+    ):
+        with pytest.raises((SystemExit, ValueError), match=message):
+            cli.run(parse("--model", model, "--cost", "a100", "--calib", str(tmp_path / "file"), *argv))
+    assert (tmp_path / "file").read_text() == "a user's file" and not (tmp_path / "out").exists()

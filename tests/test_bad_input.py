@@ -168,7 +168,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
 
 @pytest.mark.parametrize("write, message", [
     (None, "No such file or directory"),
-    (lambda p: p.write_bytes(b"not a checkpoint"), "is not a torch checkpoint"),
+    (lambda p: p.write_bytes(b"not a checkpoint"), "is not a torch checkpoint (torch.save writes a zip archive"),
     (lambda p: torch.save({"model": {}}, p), "is not a netgain train checkpoint (it needs the keys comm, config"),
 ])
 def test_resume_from_what_is_no_checkpoint(tmp_path, write, message):
@@ -330,7 +330,13 @@ def test_fsdp_checkpoint_folder_without_its_json_is_named(tmp_path):
     (["--params", "inf"], "--params must be a finite number >= 1, got inf"),
     (["--workers", "0"], "--workers must be at least 1, got 0"),
     (["--link", "10gbe", "--bandwidth", "40gbit"], "--link 10gbe and --bandwidth 40gbit both name the link: give one"),
-    (["--bandwidth", "0gbit"], "bandwidth: must be > 0 bytes/s"),
+    (["--bandwidth", "0gbit"], "bandwidth: must be a finite rate > 0"),
+    (["--bandwidth", ""], "bandwidth: cannot parse ''"),
+    (["--bandwidth", "1e999gbit"], "bandwidth: must be a finite rate > 0"),
+    (["--latency", ""], "latency: cannot parse ''"),
+    (["--latency", "1e999s"], "latency: must be finite"),
+    (["--params", "1e30"], "--params over --bucket-mb makes 1.53e+23 buckets: at most 1,000,000"),
+    (["--bucket-mb", "1e-9"], "--bucket-mb must hold one fp32 element"),
 ])
 def test_model_rejects_bad_numbers_by_name(capsys, argv, message):
     base = {"--params": "7e9", "--workers": "8"}

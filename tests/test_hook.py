@@ -56,7 +56,7 @@ def nan_on_rank_one(rank, world_size, policy, codec="gqsgd", options=None):
         state.close()  # the buckets after the failing one still complete on every rank
 
 
-@pytest.mark.parametrize("world_size,codec,options", [(2, "gqsgd", {}), (3, "gqsgd", {}), (2, "topk", {}), (3, "fp16", {}),
+@pytest.mark.parametrize("world_size,codec,options", [(2, "gqsgd", {}), (3, "gqsgd", {}), (2, "topk", {}), (2, "randomk", {}), (3, "fp16", {}),
                                                       (2, "none", {}), (2, "lowrank", {"warmup_steps": 0}),
                                                       (3, "lowrank", {"factors": "fp32", "warmup_steps": 0})])
 def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, options):
@@ -225,7 +225,7 @@ def test_ddp_modes_work(codec, mode):
 
 @pytest.mark.parametrize("kwargs,match", [({"codec": "zip"}, "choose one of none, fp16"),
                                           ({"codec": "gqsgd", "bits": 9}, "bits must be in 2..8"),
-                                          ({"codec": "topk", "ratio": 0.0}, "ratio must be in"),
+                                          ({"codec": "topk", "ratio": 0.0}, "ratio must be a number in"),
                                           ({"codec": "gqsgd", "encoding": "int4"}, "encoding='int4'"),
                                           ({"codec": "gqsgd", "bits": 4, "encoding": "int8"}, "bits must be 8")])
 def test_bad_arguments_name_allowed_values(kwargs, match):
@@ -236,12 +236,20 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
 @pytest.mark.parametrize("build,match", [
     (lambda: comm.GlobalQSGDConfig(bits=9), "bits must be in 2..8"),
     (lambda: comm.GlobalQSGDConfig(encoding="int4"), r"encoding='int4' is not one of \('packed', 'int8'\)"),
-    (lambda: comm.TopKConfig(ratio=1.5), r"ratio must be in \(0, 1\]"),
+    (lambda: comm.TopKConfig(ratio=1.5), r"ratio must be a number in \(0, 1\]"),
     (lambda: comm.CastConfig("fp8"), r"dtype='fp8' is not one of \('fp16', 'bf16'\)"),
     (lambda: comm.KimadConfig(mode="kimad++"), r"mode='kimad\+\+' is not one of"),
     (lambda: comm.KimadConfig(budget_ms=float("inf")), "budget_ms must be > 0 and finite"),
     (lambda: comm.CommConfig(nonfinite="skip"), r"nonfinite='skip' is not one of \('raise', 'uncompressed'\)"),
-    (lambda: comm.CommConfig(warmup_steps=-1), "warmup_steps and min_compress_numel must be >= 0"),
+    (lambda: comm.CommConfig(warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
+    (lambda: comm.CommConfig(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),
+    (lambda: comm.CommConfig(min_compress_numel=float("nan")), "min_compress_numel must be an integer >= 0"),
+    (lambda: comm.CommConfig(seed=1.5), "seed must be an integer, got 1.5"),
+    (lambda: comm.CommConfig(skip_1d="no"), "skip_1d must be True or False, got 'no'"),
+    (lambda: comm.CommConfig(own_group="x"), "own_group must be True or False"),
+    (lambda: comm.KimadConfig(replan_every=1.5), "replan_every must be an integer >= 1, got 1.5"),
+    (lambda: comm.RandomKConfig(ratio=True), r"ratio must be a number in \(0, 1\], got ratio=True"),
+    (lambda: comm.TopKConfig(ratio="0.1"), r"ratio must be a number in \(0, 1\], got ratio='0.1'"),
     (lambda: comm.comm_config("zip"), "choose one of none, fp16"),
 ])
 def test_typed_configs_name_the_argument_and_the_allowed_values(build, match):
@@ -362,3 +370,4 @@ def test_state_pickles_without_process_group():
     state = comm.CommState(comm.TopKConfig(), warmup_steps=2)
     clone = pickle.loads(pickle.dumps(state))
     assert clone.config == comm.CommConfig(comm.TopKConfig(0.01), warmup_steps=2) and clone.describe() == "topk(ratio=0.01)"
+

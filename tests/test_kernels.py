@@ -170,6 +170,26 @@ def test_measured_cost_rejects_bad_arguments():
         MeasuredCost("cpu", "int8")
     with pytest.raises(ValueError, match="device must be"):
         MeasuredCost("tpu")
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        MeasuredCost("cpu", threads=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            MeasuredCost("cuda")
+
+
+def test_cache_that_is_no_file_or_cannot_be_set_aside_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="exists and is not a file"):
+        MeasuredCost("cpu", cache=tmp_path)
+    path = tmp_path / "notes.json"
+    path.write_text("a user's notes")
+
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)  # as /proc or a read-only folder does
+    with pytest.raises(ValueError, match="is not a kernel table .* cannot be set aside"):
+        MeasuredCost("cpu", cache=path)
+    assert path.read_text() == "a user's notes"
 
 
 def tiny_llama_config():

@@ -66,6 +66,15 @@ def test_parsers():
     assert net.parse_bandwidth("25gbit") == pytest.approx(3.125e9)
     assert net.parse_bandwidth("100mbit") == pytest.approx(12.5e6)
     assert net.parse_bandwidth("12GB/s") == pytest.approx(12e9)
+    assert net.parse_bandwidth("12GBps") == pytest.approx(12e9)
+    # network specs' convention: a lower-case b is a bit, an upper-case B a byte; either case of prefix
+    assert net.parse_bandwidth("10Gb/s") == net.parse_bandwidth("10gbps") == net.parse_bandwidth("10GBit") == 1.25e9
+    for text, message in (("", "cannot parse ''"), ("1e999gbit", "finite rate > 0"), ("0GB/s", "finite rate > 0")):
+        with pytest.raises(ValueError, match=message):
+            net.parse_bandwidth(text)
+    for text, message in (("", "cannot parse ''"), ("1e999s", "must be finite")):
+        with pytest.raises(ValueError, match=message):
+            net.parse_duration(text)
     assert net.parse_duration("30us") == pytest.approx(30e-6)
     assert net.parse_duration("1.5ms") == pytest.approx(1.5e-3)
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -271,7 +272,7 @@ def _is_checkpoint(path: Path) -> bool:
 
 def check_numbers(c: TrainConfig) -> None:
     """Ranges of every numeric setting, named as on the command line."""
-    for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every"):
+    for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every", "hidden_size", "layers"):
         _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
     for name in ("warmup_steps", "eval_every"):
         _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
@@ -373,6 +374,8 @@ def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     """
     if Path(path).is_dir():
         return read_sharded_checkpoint(path)
+    if Path(path).is_file() and not zipfile.is_zipfile(path):
+        raise ValueError(f"--resume {path} is not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except OSError as error:
@@ -870,7 +873,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
         "comm_wait_s": wait_s,
         "wire_bytes_per_step": wire,
         "fp32_bytes_per_step": raw,
-        "compression_ratio": raw / wire if wire else float("nan"),
+        "compression_ratio": raw / wire if wire else None,  # None: nothing sent (one worker)
         "predicted_fp32_step_s": fp32_step_s,
         "link_bandwidth_Bps": link.bandwidth if link else None,
         "link_overhead_s": link.overhead if link else None,

@@ -30,7 +30,8 @@ def configure(parser) -> None:
     parser.add_argument("--out", required=True, help="directory for the saved model and the report (not inside --model)")
     parser.add_argument("--save", default="gac", choices=VARIANTS[1:], help="which variant to save")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns")
+    parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns "
+                        "(comma-separated; an empty string: none)")
     parser.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (SVD-LLM wants more tokens than the widest Linear input)")
     parser.add_argument("--calib-len", type=int, default=256)
     parser.add_argument("--check-seqs", type=int, default=8,
@@ -49,7 +50,7 @@ def configure(parser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.03, help="measured speed-ups below this fraction are noise")
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
     parser.add_argument("--cache", default=None, help="kernel timing table for --cost measured (default: ~/.cache/netgain/...)")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
 
@@ -90,18 +91,41 @@ def model_dir(model: str | None) -> Path:
 
 
 def check_out(out: str, model: Path) -> Path:
-    """Refuse an --out that is --model or lies inside it: saving there would overwrite the input model."""
+    """Refuse an --out that is empty, an existing file, or --model or inside it (saving there would overwrite
+    the input model)."""
+    if not out:
+        raise SystemExit("--out is empty: give the directory for the saved model and the report")
     path, source = Path(out).resolve(), model.resolve()
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"--out {out} is an existing file, not a directory: choose a directory")
     if path == source or source in path.parents:
         raise SystemExit(f"--out {out} is inside --model {model}: saving would overwrite the input model; choose another directory")
     return Path(out)
 
 
-def text(path: str | None, split: str) -> str:
+def check_counts(args) -> None:
+    """The integer flags, named as on the command line, before a model is loaded."""
+    for flag, value, least in (("--calib-seqs", args.calib_seqs, 1), ("--calib-len", args.calib_len, 2),
+                               ("--eval-chunks", args.eval_chunks, 1), ("--seq", args.seq, 2),
+                               ("--multiple", args.multiple, 1), ("--steps", args.steps, 1),
+                               ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise SystemExit(f"{flag} must be at least {least}, got {value}")
+    if args.check_seqs < 0 or args.check_seqs == 1:
+        raise SystemExit(f"--check-seqs must be 0 (GAC unchecked) or >= 2 (its interval needs two), got {args.check_seqs}")
+
+
+def text(path: str | None, flag: str) -> str:
+    """The text of --calib or --eval: a file, a directory of *.txt, or (None) the Python docs' split."""
     from .defaults import python_docs
     from .evaluate import read_text
 
-    return read_text(path) if path else python_docs(split)
+    if path is None:
+        return python_docs(flag)
+    try:
+        return read_text(path)
+    except OSError as error:
+        raise SystemExit(f"--{flag} {path}: {error.strerror or error} (a text file or a directory of *.txt)") from None
 
 
 def align_config(args):
@@ -123,8 +147,7 @@ def run(args) -> int:
     from ..cost.kernels import GPUS, AnalyticCost
 
     variants = _parse_list(args.variants, VARIANTS, "variants")
-    if args.check_seqs < 0 or args.check_seqs == 1:
-        raise SystemExit(f"--check-seqs must be 0 (GAC unchecked) or >= 2 (its interval needs two), got {args.check_seqs}")
+    check_counts(args)
     if args.save not in variants:
         raise SystemExit(f"--save {args.save} must be one of the evaluated --variants ({', '.join(variants)})")
     predict = _parse_list(args.predict, tuple(GPUS), "predict") if args.predict else []
@@ -140,7 +163,7 @@ def run(args) -> int:
     from . import evaluate, report
     from .pipeline import compress
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
@@ -150,7 +173,11 @@ def run(args) -> int:
         raise SystemExit(f"--calib: {error} (--calib-seqs {args.calib_seqs} + --check-seqs {args.check_seqs} sequences of "
                          f"--calib-len {args.calib_len}; give more text or fewer sequences)") from None
     calib, validation = chunks[: args.calib_seqs], chunks[args.calib_seqs :] or None
-    held_out = evaluate.token_chunks(tokenizer, eval_text, args.seq, args.eval_chunks)
+    try:
+        held_out = evaluate.token_chunks(tokenizer, eval_text, args.seq, args.eval_chunks)
+    except ValueError as error:
+        raise SystemExit(f"--eval: {error} (--eval-chunks {args.eval_chunks} chunks of --seq {args.seq}; give more "
+                         "text or fewer chunks)") from None
 
     compressed, result = compress(model, calib, config, validation=validation, inplace=False, progress=True)
     cost = result.cost

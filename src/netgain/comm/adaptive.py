@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import warnings
 
 import torch
@@ -76,8 +77,8 @@ class AdaptivePlanner:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 (or None for the measured backward time), got {time_budget_s}")
-        if replan_every < 1:
-            raise ValueError(f"replan_every must be >= 1, got {replan_every}")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, numbers.Integral) or replan_every < 1:
+            raise ValueError(f"replan_every must be an integer >= 1, got {replan_every!r}")
         if not 0 < max_error < float("inf"):
             raise ValueError(f"max_error must be > 0 and finite, got {max_error}")
         if lowrank_rank is not None and topk_ratios:

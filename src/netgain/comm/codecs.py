@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class Codec:
     needs_scales: ClassVar[bool] = True
     uses_feedback: ClassVar[bool] = False
     relays: ClassVar[bool] = False     # rounds after the first are made by `relay` from the last one's result
+    header_entries: ClassVar[int] = 1  # header floats per parameter (`local_scales`)
 
     @property
     def needs_header(self) -> bool:
@@ -327,8 +329,8 @@ class Sparsifier(Codec):
     unbiased, uses_feedback = False, True
 
     def __init__(self, ratio: float = 0.01):
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got ratio={ratio}")
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be a number in (0, 1], got ratio={ratio!r}")
         self.ratio = ratio
 
     def params(self):
@@ -411,19 +413,21 @@ class RandomK(Sparsifier):
     """Random-k: per parameter and step, a comb of k coordinates (stride numel // k, random offset)
     drawn from keys shared by all ranks, so every worker picks the same coordinates; every
     coordinate is picked with probability k/numel. The values travel as int32 fixed point against
-    a global scale per parameter (the header's MAX of the picked |values|), so the native SUM is
+    a global scale per parameter (the header's MAX of the picked |values|; the header also carries each
+    parameter's max |g|, so NaN/Inf outside the picks raise too), so the native SUM is
     exact: the mean does not depend on the ring's chunking or the bucket layout. 32 * ratio
     bits/element. Biased (unscaled); EF21 keeps what it drops.
     """
 
-    name, collective = "randomk", "allreduce"
+    name, collective, header_entries = "randomk", "allreduce", 2
     FIXED = 1 << 30  # n workers' codes of at most FIXED / n each sum below 2**31
 
     def wire_bits(self, world_size):
         return 32.0 * self.ratio
 
     def local_scales(self, x, ctx):
-        """Picks the coordinates (shared keys) and returns max |picked residual| per parameter."""
+        """Picks the coordinates (shared keys); returns max |picked residual| per parameter (the scale),
+        then max |g| per parameter (so NaN/Inf anywhere in the gradient raise, not only in the picks)."""
         s, fb = ctx.segments, ctx.feedback
         t = ctx.table(self.describe(), lambda: self.slots(s))
         offset = (fused.hash32(ctx.shared_keys).long() & 0x7FFFFFFF) % s.sizes  # per parameter
@@ -432,7 +436,11 @@ class RandomK(Sparsifier):
         index = s.starts.long()[seg] + (offset[seg] + t["within"] * stride[seg]) % s.sizes[seg]
         values = x[index].float() - fb.local[index]
         ctx.sent = (index, values)
-        return torch.zeros(s.count, device=x.device).scatter_reduce(0, seg, values.abs(), "amax")
+        picked = torch.zeros(s.count, device=x.device).scatter_reduce(0, seg, values.abs(), "amax")
+        return torch.cat([picked, s.absmax(x)])
+
+    def scale_params(self, ctx):
+        return torch.arange(ctx.segments.count, device=ctx.segments.sizes.device).repeat(2)
 
     def encode(self, x, ctx):
         with ctx.timed("encode_s"):
@@ -618,8 +626,9 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     """
     network.check_world(world_size)
     size = codec.profile_fields(world_size)
-    # the hook's header: one allreduce MAX of (P + 3) float32 per bucket of P parameters (hooks._header)
-    header = ({"header_bytes": network.HEADER_FLAG_BYTES, "header_bytes_per_tensor": network.HEADER_BYTES_PER_TENSOR}
+    # the hook's header: one allreduce MAX of (header_entries * P + 3) float32 per bucket of P parameters (hooks._header)
+    header = ({"header_bytes": network.HEADER_FLAG_BYTES,
+               "header_bytes_per_tensor": network.HEADER_BYTES_PER_TENSOR * codec.header_entries}
               if codec.needs_header else {})
     profile = network.CodecProfile(codec.describe(), collective=codec.collective, **size, **header)
     if isinstance(cost, GPU):

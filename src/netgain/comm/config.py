@@ -12,6 +12,7 @@ across ranks before the first bucket is sent.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
@@ -175,9 +176,13 @@ class CommConfig:
             raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", default_warmup_steps(self.codec))
-        if self.warmup_steps < 0 or self.min_compress_numel < 0:
-            raise ValueError(f"warmup_steps and min_compress_numel must be >= 0, "
-                             f"got {self.warmup_steps}, {self.min_compress_numel}")
+        for name in ("warmup_steps", "min_compress_numel", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (name != "seed" and value < 0):
+                raise ValueError(f"{name} must be an integer{'' if name == 'seed' else ' >= 0'}, got {value!r}")
+        for name in ("skip_1d", "own_group"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def describe(self) -> dict:
         """Every field, the codec's type included: what ranks compare."""

@@ -25,6 +25,7 @@ GPU_CHOICES = (*GPUS, "cpu")
 DEFAULT_LINK = "25gbe"
 DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb, with a first bucket of DDP_FIRST_BUCKET_MB
 DDP_FIRST_BUCKET_MB = 1.0
+MAX_BUCKETS = 1_000_000  # a --params model's bucket list is built and predicted bucket by bucket
 
 
 @dataclass(frozen=True)
@@ -129,16 +130,16 @@ def _safetensors_sizes(path: Path) -> list[tuple[int, ...]]:
 
 def resolve_link(args) -> tuple[net.Link, str]:
     """The fabric from --link or --bandwidth/--latency, and the device usually attached to it."""
-    if args.bandwidth and args.link:
+    if args.bandwidth is not None and args.link:
         raise ValueError(f"--link {args.link} and --bandwidth {args.bandwidth} both name the link: give one "
                          "(--bandwidth, with --latency, describes a link that is not a preset)")
-    if args.bandwidth:
-        latency = net.parse_duration(args.latency) if args.latency else 30e-6
+    if args.bandwidth is not None:
+        latency = net.parse_duration(args.latency) if args.latency is not None else 30e-6
         return net.Link("custom", net.parse_bandwidth(args.bandwidth), latency,
                         f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
     name = args.link or DEFAULT_LINK
     link = net.preset(name)
-    if args.latency:
+    if args.latency is not None:
         link = net.Link(link.name, link.bandwidth, net.parse_duration(args.latency), link.note)
     return link, net.preset_device(name)
 
@@ -308,6 +309,13 @@ def check_args(args) -> None:
     for flag, value in (("--bucket-mb", args.bucket_mb), ("--compute-ms", args.compute_ms)):
         if value is not None:
             require(math.isfinite(value) and value > 0, flag, "must be a finite number > 0", value)
+    if args.bucket_mb is not None:
+        require(args.bucket_mb * 2**20 >= 4, "--bucket-mb", f"must hold one fp32 element (>= {4 / 2**20:.2g})",
+                args.bucket_mb)
+    if args.params is not None:
+        buckets = args.params * 4 / ((args.bucket_mb or DDP_BUCKET_MB) * 2**20)
+        require(buckets <= MAX_BUCKETS, "--params", f"over --bucket-mb makes {buckets:.3g} buckets: at most "
+                f"{MAX_BUCKETS:,} are modelled (a larger --bucket-mb, or fewer --params)", args.params)
     require(math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0, "--tokens-per-step",
             "must be a finite number > 0", args.tokens_per_step)
     require(0 < args.mfu <= 1, "--mfu", "must be in (0, 1]", args.mfu)

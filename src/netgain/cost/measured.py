@@ -75,8 +75,14 @@ class MeasuredCost:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda': this torch sees no CUDA device (use 'cpu' or 'auto')")
         if warmup < 0 or repeats < 1:
             raise ValueError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if cache is not None and Path(cache).exists() and not Path(cache).is_file():
+            raise ValueError(f"cache {cache} exists and is not a file: give the path of a JSON kernel table")
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -199,7 +205,11 @@ class MeasuredCost:
             return {k: Timing.from_dict(v) for k, v in stored["entries"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             aside = self.path.with_name(self.path.name + ".corrupt")
-            os.replace(self.path, aside)
+            try:
+                os.replace(self.path, aside)
+            except OSError as moving:
+                raise ValueError(f"cache {self.path} is not a kernel table ({error}) and cannot be set aside "
+                                 f"({moving.strerror}): give another path") from None
             warnings.warn(f"kernel cache {self.path} is unreadable ({error}); moved to {aside}, measuring again", stacklevel=3)
             return {}
 

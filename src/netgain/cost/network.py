@@ -58,8 +58,8 @@ class Link:
     def __post_init__(self):
         if not self.bandwidth > 0:
             raise ValueError(f"bandwidth: must be > 0 bytes/s, got {self.bandwidth!r}")
-        if not self.latency >= 0:
-            raise ValueError(f"latency: must be >= 0 s, got {self.latency!r}")
+        if not 0 <= self.latency < math.inf:
+            raise ValueError(f"latency: must be finite and >= 0 s, got {self.latency!r}")
         if not (self.overhead >= 0 and self.burst >= 0):
             raise ValueError(f"overhead/burst: must be >= 0, got {self.overhead!r}/{self.burst!r}")
         if self.algorithm not in LINK_ALGORITHMS:
@@ -196,20 +196,25 @@ def preset_device(name: str) -> str:
     return PRESETS[name][1]
 
 
-_BIT_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_BYTE_UNITS = {"b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12}
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)"
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)"
 
 
 def parse_bandwidth(text: str) -> float:
-    """Bytes/s from '25gbit' (bits/s units: bit, kbit, mbit, gbit) or '12GB/s' (bytes/s units)."""
-    m = re.fullmatch(_NUMBER + r"\s*([a-z/]+)", text.strip().lower())
-    if m and m.group(2) in _BIT_UNITS:
-        return float(m.group(1)) * _BIT_UNITS[m.group(2)] / 8
-    if m and m.group(2) in _BYTE_UNITS:
-        return float(m.group(1)) * _BYTE_UNITS[m.group(2)]
-    raise ValueError(f"bandwidth: cannot parse {text!r}; use e.g. '25gbit', '100mbit' or '12GB/s'")
+    """Bytes/s from a rate: bits in '25gbit', '25Gb/s', '25Gbps'; bytes in '12GB/s', '12GBps'.
+
+    As in network specs, a lower-case b is a bit and an upper-case B a byte ('10Gb/s' is 1.25 GB/s);
+    the prefix (k, M, G, T, decimal) takes either case.
+    """
+    m = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]?)((?i:bit)|b/s|bps|B/s|Bps)", text.strip())
+    if not m:
+        raise ValueError(f"bandwidth: cannot parse {text!r}; use e.g. '25gbit', '100Mb/s' (bits) or '12GB/s' "
+                         "(bytes: an upper-case B)")
+    rate = float(m.group(1)) * _PREFIXES[m.group(2).lower()] / (1 if m.group(3) in ("B/s", "Bps") else 8)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"bandwidth: must be a finite rate > 0, got {text!r}")
+    return rate
 
 
 def parse_duration(text: str) -> float:
@@ -218,7 +223,10 @@ def parse_duration(text: str) -> float:
     if not m or m.group(2) not in _TIME_UNITS:
         raise ValueError(f"latency: cannot parse {text!r}; use e.g. '30us', '1ms' (units "
                          f"{', '.join(_TIME_UNITS)})")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"latency: must be finite, got {text!r}")
+    return seconds
 
 
 def check_world(n: int) -> None:
@@ -270,7 +278,8 @@ def ring_combine_allreduce_s(nbytes: float, n: int, link: Link, combine_s: float
 
 COLLECTIVES = ("allreduce", "allgather", "ring")
 # netgain's per-bucket header (comm/hooks.py, _header): one allreduce MAX of float32
-# [max |g| of each of the bucket's P parameters, non-finite flag, signature, -signature].
+# [max |g| of each of the bucket's P parameters, non-finite flag, signature, -signature]
+# (random-k: the picked coordinates' max too, 2P; a codec profile's header_bytes_per_tensor says).
 HEADER_FLAG_BYTES = 12
 HEADER_BYTES_PER_TENSOR = 4
 HEADER_BYTES = HEADER_FLAG_BYTES + HEADER_BYTES_PER_TENSOR  # a one-parameter bucket's header
