@@ -335,7 +335,7 @@ def test_fsdp_checkpoint_folder_without_its_json_is_named(tmp_path):
     (["--bandwidth", "1e999gbit"], "bandwidth: must be a finite rate > 0"),
     (["--latency", ""], "latency: cannot parse ''"),
     (["--latency", "1e999s"], "latency: must be finite"),
-    (["--params", "1e30"], "--params over --bucket-mb makes 1.53e+23 buckets: at most 50,000"),
+    (["--params", "1e30"], "--params over --bucket-mb makes 1.53e+23 buckets: at most 1,000,000"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must hold one fp32 element"),
 ])
 def test_model_rejects_bad_numbers_by_name(capsys, argv, message):

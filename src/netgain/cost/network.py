@@ -580,20 +580,28 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     done = 0.0
     tokens, idle_from = link.burst, 0.0
     comm = encode = decode = sent = 0.0
+    memo = {}  # equal buckets met with equal tokens (a --params model's cap-sized ones) cost the same
     for numel, count, bucket_shapes in zip(buckets, tensors, shapes):
         ready += backward * numel / total
         enc, dec = numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem
         start = max(ready, done) + enc
         tokens = refill(tokens, 0.0, start - idle_from, link)
-        wire = 0.0
-        for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens,
-                                               bucket_shapes):
-            tokens = refill(tokens, out, seconds, link)
-            wire += seconds
+        key = (numel, count, tokens)
+        cost = memo.get(key) if bucket_shapes is None else None
+        if cost is None:
+            wire, left = 0.0, tokens
+            for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens,
+                                                   bucket_shapes):
+                left = refill(left, out, seconds, link)
+                wire += seconds
+            cost = wire, left, payload_bytes(numel, codec, count, bucket_shapes)
+            if bucket_shapes is None:
+                memo[key] = cost
+        wire, tokens, payload = cost
         done = idle_from = start + wire
         done += dec
         comm, encode, decode = comm + wire, encode + enc, decode + dec
-        sent += payload_bytes(numel, codec, count, bucket_shapes)
+        sent += payload
     step = max(busy_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
                       step - compute_s, sent, len(buckets))
