@@ -2,10 +2,12 @@
 
 A trunk with two heads. "by step": every rank uses head step % 2, so each head is idle on every
 rank every other step; "by rank": rank r uses head r % 2, so both heads are used somewhere each
-step. SGD on a fixed regression task; the loss reported is both heads' mean squared error on
-held-out data after the last step. Each row is one torchrun job of --world-size gloo workers.
+step; "both": every rank uses both heads (no idle parameter, the control). SGD on a fixed
+regression task; the loss reported is both heads' mean squared error on held-out data after the
+last step. Each row is one torchrun job of --world-size gloo workers.
 
-    python bench/ef21_unused.py [--steps 80] [--world-size 3] [--ratio 0.1] [--codecs none,gqsgd,topk,randomk]
+    python bench/ef21_unused.py [--steps 80] [--world-size 3] [--ratio 0.1] [--momentum 0]
+                                [--codecs none,gqsgd,topk,randomk] [--schedules "by step,by rank"]
 
 Writes bench/results/ef21_unused.md/.csv (with machine, commit, command and load).
 """
@@ -37,8 +39,10 @@ class TwoHeads(torch.nn.Module):
         self.trunk = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh())
         self.heads = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, 1) for _ in range(2))
 
-    def forward(self, x, head):
-        return self.heads[head](self.trunk(x)).squeeze(-1)
+    def forward(self, x, heads):
+        """The outputs of the listed heads, (batch, len(heads)): one forward, as DDP requires."""
+        h = self.trunk(x)
+        return torch.cat([self.heads[i](h) for i in heads], dim=1)
 
 
 def task(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +66,15 @@ def worker(codec: str, schedule: str, steps: int, lr: float, ratio: float, momen
     state = comm.register(model, codec, min_compress_numel=0, ratio=ratio) if codec != "none" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(steps):
-        head = step % 2 if schedule == "by step" else rank % 2
+        heads = {"by step": [step % 2], "by rank": [rank % 2], "both": [0, 1]}[schedule]
         x, y = task(1000 * step + rank, BATCH)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x, head), y[:, head]).backward()
+        predicted = model(x, heads)
+        sum(torch.nn.functional.mse_loss(predicted[:, i], y[:, h]) for i, h in enumerate(heads)).backward()
         optimizer.step()
     x, y = task(999_999, 2048)
     with torch.no_grad():
-        loss = sum(torch.nn.functional.mse_loss(model.module(x, h), y[:, h]).item() for h in range(2)) / 2
+        loss = torch.nn.functional.mse_loss(model.module(x, [0, 1]), y).item()
     if state is not None:
         state.close()
     if rank == 0:
@@ -84,7 +89,9 @@ def launch(codec: str, schedule: str, args) -> float:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
                    __file__, "--worker", codec, schedule, str(args.steps), str(args.lr), str(args.ratio), str(args.momentum), str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(command, check=True, env=env, capture_output=True, timeout=args.timeout)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode:
+            raise RuntimeError(f"{codec} {schedule}: torchrun exited {done.returncode}:\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())["loss"]
 
 
@@ -99,12 +106,14 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.1, help="top-k's and random-k's ratio")
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--codecs", default="none,gqsgd,topk,randomk")
+    parser.add_argument("--schedules", default="by step,by rank",
+                        help="which heads a rank uses: by step, by rank, or both (every head on every rank: no idle parameter)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per row before it is called hung")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     rows = []
-    for schedule in ("by step", "by rank"):
+    for schedule in args.schedules.split(","):
         for codec in args.codecs.split(","):
             start = time.perf_counter()
             loss = launch(codec, schedule, args)
