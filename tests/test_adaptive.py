@@ -384,6 +384,16 @@ def test_planner_says_when_no_safe_plan_fits():
     assert "or use kimad+" in message and "use kimad+" not in solved_planner("kimad+", 0.01, unsafe_topk).unfit_message()
 
 
+def test_planner_says_when_the_steps_overhead_alone_exceeds_the_budget():
+    """Waits for a slower rank beyond the budget: no codec helps, and the message says so (not max_error)."""
+    planner = solved_planner("kimad+", 0.2, RELATIVE)
+    planner.monitor.update(1e6, 0.0, 0.5)  # 0.5 s a step beyond the fit, as rank skew made it on the lab
+    planner._solve(2)
+    message = planner.unfit_message()
+    assert not planner.fits and "500 ms a step beyond what their bytes cost" in message
+    assert "no compression can fit it" in message and "max_error" not in message
+
+
 def test_plan_takes_a_safe_biased_option_when_no_unbiased_one_fits():
     assert planner_on_link("kimad+", 0.01, RELATIVE) == ["topk(ratio=0.01)"]
 

@@ -185,12 +185,19 @@ class AdaptivePlanner:
         return self.last
 
     def unfit_message(self) -> str:
-        """Why the budget will be missed: no plan within max_error fits the budget at the measured link."""
+        """Why the budget will be missed: no plan within max_error fits the budget at the measured link, or
+        the steps' collectives already take longer than the budget beyond what their bytes cost."""
         budget = f"{self.budget_s() * 1e3:.3g} ms budget" + ("" if self.time_budget_s is not None else " (the measured backward time)")
+        running = f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step"
+        if self.monitor.overhead_s >= self.budget_s() / self.margin():
+            return (f"{self.mode}: the steps' collectives take {self.monitor.overhead_s * 1e3:.3g} ms a step beyond what "
+                    f"their bytes cost (waits for slower ranks, per-call overhead), more than the {budget} "
+                    f"(with the margin for the steps' spread, x{self.margin():.2f}): no compression can fit it; "
+                    f"{running}: raise budget_ms, or even out the ranks' compute")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
                 f"link ({in_words(self.monitor.bandwidth)}, with the margin for the steps' spread, x{self.margin():.2f}); "
-                f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step: {advice}")
+                f"{running}: {advice}")
 
     def _agree_errors(self, link) -> None:
         """Sum energies and errors over ranks; keep each option's error of the averaged gradient."""
