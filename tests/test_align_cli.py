@@ -137,6 +137,8 @@ def test_bad_paths_are_named_before_compressing(tmp_path):
         ([*out, "--calib", str(tmp_path / "empty")], "--calib .*empty: no [*].txt files"),
         ([*out, "--eval", str(tmp_path / "missing.txt")], "--eval .*missing.txt: No such file"),
         (["--out", str(tmp_path / "file")], "is an existing file, not a directory"),
+        (["--out", str(tmp_path / "file" / "sub")], "file is an existing file, not a directory"),
+        ([*out, "--eval", ""], "--eval is empty"),
         (["--out", ""], "--out is empty"),
         ([*out, "--cost", "measured", "--cache", str(tmp_path / "empty")], "cache .*empty exists and is not a file"),
     ):

@@ -168,7 +168,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
 
 @pytest.mark.parametrize("write, message", [
     (None, "No such file or directory"),
-    (lambda p: p.write_bytes(b"not a checkpoint"), "is not a torch checkpoint (torch.save writes a zip archive"),
+    (lambda p: p.write_bytes(b"not a checkpoint"), "is not a zip archive, the format torch.save writes"),
     (lambda p: torch.save({"model": {}}, p), "is not a netgain train checkpoint (it needs the keys comm, config"),
 ])
 def test_resume_from_what_is_no_checkpoint(tmp_path, write, message):

@@ -69,7 +69,9 @@ def test_parsers():
     assert net.parse_bandwidth("12GBps") == pytest.approx(12e9)
     # network specs' convention: a lower-case b is a bit, an upper-case B a byte; either case of prefix
     assert net.parse_bandwidth("10Gb/s") == net.parse_bandwidth("10gbps") == net.parse_bandwidth("10GBit") == 1.25e9
-    for text, message in (("", "cannot parse ''"), ("1e999gbit", "finite rate > 0"), ("0GB/s", "finite rate > 0")):
+    assert net.parse_bandwidth("10 Gbit/s") == 1.25e9
+    for text, message in (("", "cannot parse ''"), ("1e999gbit", "finite rate > 0"), ("0GB/s", "finite rate > 0"),
+                          ("12gb/s", "ambiguous: write 12Gb/s or 12gbit for bits, 12GB/s for bytes")):
         with pytest.raises(ValueError, match=message):
             net.parse_bandwidth(text)
     for text, message in (("", "cannot parse ''"), ("1e999s", "must be finite")):

@@ -374,8 +374,14 @@ def read_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     """
     if Path(path).is_dir():
         return read_sharded_checkpoint(path)
-    if Path(path).is_file() and not zipfile.is_zipfile(path):
-        raise ValueError(f"--resume {path} is not a torch checkpoint (torch.save writes a zip archive; this file is not one)")
+    try:
+        with open(path, "rb") as f:
+            archive = zipfile.is_zipfile(f)
+    except OSError as error:
+        raise ValueError(f"--resume {path}: {error.strerror or error}") from error
+    if not archive:
+        raise ValueError(f"--resume {path} is not a zip archive, the format torch.save writes: not a checkpoint "
+                         "netgain can read")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except OSError as error:

@@ -91,13 +91,14 @@ def model_dir(model: str | None) -> Path:
 
 
 def check_out(out: str, model: Path) -> Path:
-    """Refuse an --out that is empty, an existing file, or --model or inside it (saving there would overwrite
-    the input model)."""
+    """Refuse an --out that is empty, is or lies under an existing file, or is --model or inside it (saving
+    there would overwrite the input model)."""
     if not out:
         raise SystemExit("--out is empty: give the directory for the saved model and the report")
     path, source = Path(out).resolve(), model.resolve()
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"--out {out} is an existing file, not a directory: choose a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())  # what saving would create the folder in
+    if not existing.is_dir():
+        raise SystemExit(f"--out {out}: {existing} is an existing file, not a directory: choose a directory")
     if path == source or source in path.parents:
         raise SystemExit(f"--out {out} is inside --model {model}: saving would overwrite the input model; choose another directory")
     return Path(out)
@@ -122,6 +123,9 @@ def text(path: str | None, flag: str) -> str:
 
     if path is None:
         return python_docs(flag)
+    if not path:
+        raise SystemExit(f"--{flag} is empty: give a text file or a directory of *.txt (or leave --{flag} out for the "
+                         "Python docs)")
     try:
         return read_text(path)
     except OSError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import statistics
@@ -140,7 +141,7 @@ def resolve_link(args) -> tuple[net.Link, str]:
     name = args.link or DEFAULT_LINK
     link = net.preset(name)
     if args.latency is not None:
-        link = net.Link(link.name, link.bandwidth, net.parse_duration(args.latency), link.note)
+        link = dataclasses.replace(link, latency=net.parse_duration(args.latency))
     return link, net.preset_device(name)
 
 
@@ -312,8 +313,10 @@ def check_args(args) -> None:
     if args.bucket_mb is not None:
         require(args.bucket_mb * 2**20 >= 4, "--bucket-mb", f"must hold one fp32 element (>= {4 / 2**20:.2g})",
                 args.bucket_mb)
-    if args.params is not None:
-        buckets = args.params * 4 / ((args.bucket_mb or DDP_BUCKET_MB) * 2**20)
+    if args.params is not None:  # as net.even_buckets splits them, without building the list
+        cap = int((args.bucket_mb or DDP_BUCKET_MB) * 2**20 / 4)
+        first = min(int((args.bucket_mb or DDP_FIRST_BUCKET_MB) * 2**20 / 4), int(args.params))
+        buckets = 1 + math.ceil((int(args.params) - first) / cap)
         require(buckets <= MAX_BUCKETS, "--params", f"over --bucket-mb makes {buckets:.3g} buckets: at most "
                 f"{MAX_BUCKETS:,} are modelled (a larger --bucket-mb, or fewer --params)", args.params)
     require(math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0, "--tokens-per-step",

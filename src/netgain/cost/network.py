@@ -207,10 +207,13 @@ def parse_bandwidth(text: str) -> float:
     As in network specs, a lower-case b is a bit and an upper-case B a byte ('10Gb/s' is 1.25 GB/s);
     the prefix (k, M, G, T, decimal) takes either case.
     """
-    m = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]?)((?i:bit)|b/s|bps|B/s|Bps)", text.strip())
+    m = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]?)((?i:bit(?:/s)?)|b/s|bps|B/s|Bps)", text.strip())
     if not m:
         raise ValueError(f"bandwidth: cannot parse {text!r}; use e.g. '25gbit', '100Mb/s' (bits) or '12GB/s' "
                          "(bytes: an upper-case B)")
+    if m.group(3) == "b/s" and m.group(2).islower():  # netgain read '12gb/s' as bytes before 2026-12-04
+        raise ValueError(f"bandwidth: {text!r} is ambiguous: write {m.group(1)}{m.group(2).upper()}b/s or "
+                         f"{m.group(1)}{m.group(2)}bit for bits, {m.group(1)}{m.group(2).upper()}B/s for bytes")
     rate = float(m.group(1)) * _PREFIXES[m.group(2).lower()] / (1 if m.group(3) in ("B/s", "Bps") else 8)
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"bandwidth: must be a finite rate > 0, got {text!r}")
