@@ -105,10 +105,10 @@ def check_out(out: str, model: Path) -> Path:
 
 
 def check_counts(args) -> None:
-    """The integer flags, named as on the command line, before a model is loaded."""
+    """The integer flags AlignConfig does not check (it checks --multiple and --steps), named as on the
+    command line, before a model is loaded; a sequence needs two tokens for one prediction."""
     for flag, value, least in (("--calib-seqs", args.calib_seqs, 1), ("--calib-len", args.calib_len, 2),
                                ("--eval-chunks", args.eval_chunks, 1), ("--seq", args.seq, 2),
-                               ("--multiple", args.multiple, 1), ("--steps", args.steps, 1),
                                ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
         if value is not None and value < least:
             raise SystemExit(f"{flag} must be at least {least}, got {value}")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import numbers
 import warnings
 
 import torch
@@ -45,7 +44,7 @@ import torch
 from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor, in_words
-from .codecs import Codec, GlobalQSGD, NoCompression, TopK, codec_profile
+from .codecs import Codec, GlobalQSGD, NoCompression, TopK, check_integer, codec_profile
 from .lowrank import LowRank
 from .quantize import levels_per_side
 
@@ -77,8 +76,7 @@ class AdaptivePlanner:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 (or None for the measured backward time), got {time_budget_s}")
-        if isinstance(replan_every, bool) or not isinstance(replan_every, numbers.Integral) or replan_every < 1:
-            raise ValueError(f"replan_every must be an integer >= 1, got {replan_every!r}")
+        check_integer("replan_every", replan_every, 1)
         if not 0 < max_error < float("inf"):
             raise ValueError(f"max_error must be > 0 and finite, got {max_error}")
         if lowrank_rank is not None and topk_ratios:

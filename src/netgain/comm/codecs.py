@@ -41,6 +41,14 @@ def check_bits(bits: int) -> int:
     if bits not in BITS_RANGE:
         raise ValueError(f"bits must be in {BITS_RANGE.start}..{BITS_RANGE.stop - 1}, got bits={bits}")
     return bits
+
+
+def check_integer(name: str, value, least: int | None = None) -> None:
+    """An integer (numpy's too, never a bool) of at least `least`, or a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (least is not None and value < least):
+        raise ValueError(f"{name} must be an integer{'' if least is None else f' >= {least}'}, got {value!r}")
+
+
 ENCODINGS = ("packed", "int8")
 TOPK_SAMPLES = 2048  # per parameter: the top-k threshold is estimated from this many residuals
 

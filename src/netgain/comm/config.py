@@ -12,14 +12,13 @@ across ranks before the first bucket is sent.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 import torch
 
 from .adaptive import MAX_ERROR, AdaptivePlanner
-from .codecs import Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK
+from .codecs import Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK, check_integer
 from .lowrank import LowRank
 
 NONFINITE_POLICIES = ("raise", "uncompressed")
@@ -176,10 +175,8 @@ class CommConfig:
             raise ValueError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", default_warmup_steps(self.codec))
-        for name in ("warmup_steps", "min_compress_numel", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (name != "seed" and value < 0):
-                raise ValueError(f"{name} must be an integer{'' if name == 'seed' else ' >= 0'}, got {value!r}")
+        for name, least in (("warmup_steps", 0), ("min_compress_numel", 0), ("seed", None)):
+            check_integer(name, getattr(self, name), least)
         for name in ("skip_1d", "own_group"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

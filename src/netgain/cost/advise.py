@@ -297,6 +297,11 @@ def calibration_shapes(bucket_shapes: list[list[tuple[int, ...]]] | None, world_
     return out
 
 
+def bucket_caps(args) -> tuple[float, float]:
+    """(bucket_mb, first bucket's MB) from --bucket-mb: like DDP, the small first bucket only with the default cap."""
+    return (args.bucket_mb, args.bucket_mb) if args.bucket_mb else (DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB)
+
+
 def check_args(args) -> None:
     """Every number `netgain model` takes, named as on the command line, before any prediction."""
     def require(ok: bool, flag: str, rule: str, value) -> None:
@@ -313,10 +318,8 @@ def check_args(args) -> None:
     if args.bucket_mb is not None:
         require(args.bucket_mb * 2**20 >= 4, "--bucket-mb", f"must hold one fp32 element (>= {4 / 2**20:.2g})",
                 args.bucket_mb)
-    if args.params is not None:  # as net.even_buckets splits them, without building the list
-        cap = int((args.bucket_mb or DDP_BUCKET_MB) * 2**20 / 4)
-        first = min(int((args.bucket_mb or DDP_FIRST_BUCKET_MB) * 2**20 / 4), int(args.params))
-        buckets = 1 + math.ceil((int(args.params) - first) / cap)
+    if args.params is not None:
+        buckets = net.even_bucket_count(args.params, *bucket_caps(args))
         require(buckets <= MAX_BUCKETS, "--params", f"over --bucket-mb makes {buckets:.3g} buckets: at most "
                 f"{MAX_BUCKETS:,} are modelled (a larger --bucket-mb, or fewer --params)", args.params)
     require(math.isfinite(args.tokens_per_step) and args.tokens_per_step > 0, "--tokens-per-step",
@@ -343,9 +346,7 @@ def run(args) -> int:
     params = sum(sizes) if sizes else args.params
     if params < 1:
         raise ValueError(f"--model {args.model} has no parameters")
-    # like DDP: the small first bucket only with the default cap
-    bucket_mb = args.bucket_mb or DDP_BUCKET_MB
-    first_mb = bucket_mb if args.bucket_mb else DDP_FIRST_BUCKET_MB
+    bucket_mb, first_mb = bucket_caps(args)
     if sizes:
         buckets, tensors, bucket_shapes = model_buckets(shapes, bucket_mb, first_mb)
     else:  # as if made of square cap-sized matrices

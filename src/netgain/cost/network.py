@@ -509,16 +509,28 @@ def ddp_buckets(tensor_numels: Sequence[int], bucket_mb: float = 25.0,
     return [numel for numel, _ in ddp_bucket_layout(tensor_numels, bucket_mb, first_bucket_mb, bytes_per_elem)]
 
 
-def even_buckets(params: float, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 bytes_per_elem: int = 4) -> list[int]:
-    """Buckets of a model known only by its parameter count: as if made of cap-sized tensors."""
+def _even_split(params: float, bucket_mb: float, first_bucket_mb: float, bytes_per_elem: int) -> tuple[int, int, int, int]:
+    """(first bucket, cap, count of cap-sized buckets, tail) of a model known only by its parameter count."""
     if params < 1:
         raise ValueError(f"params: must be >= 1, got {params!r}")
     cap = int(bucket_mb * 2**20 / bytes_per_elem)
     first = min(int(first_bucket_mb * 2**20 / bytes_per_elem), int(params))
-    rest = int(params) - first
-    full, tail = divmod(rest, cap)
+    full, tail = divmod(int(params) - first, cap)
+    return first, cap, full, tail
+
+
+def even_buckets(params: float, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 bytes_per_elem: int = 4) -> list[int]:
+    """Buckets of a model known only by its parameter count: as if made of cap-sized tensors."""
+    first, cap, full, tail = _even_split(params, bucket_mb, first_bucket_mb, bytes_per_elem)
     return [first] + [cap] * full + ([tail] if tail else [])
+
+
+def even_bucket_count(params: float, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                      bytes_per_elem: int = 4) -> int:
+    """len(even_buckets(...)), without building the list."""
+    _, _, full, tail = _even_split(params, bucket_mb, first_bucket_mb, bytes_per_elem)
+    return 1 + full + (1 if tail else 0)
 
 
 @dataclass(frozen=True)
