@@ -51,7 +51,8 @@ DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
 BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and bucket: what the link fit reads
 LINK_FIT_SAMPLES = 256  # the link is fitted to the run's last 256 bucket collectives (as Kimad's monitor keeps)
-ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "plan", "plan_fits", "climbing")  # per step, kimad only
+ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "link_comm_s", "plan", "plan_fits",
+                       "climbing")  # per step, kimad only
 CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (why: --codec's help)
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)

@@ -1,9 +1,13 @@
 """Kimad: bandwidth-aware adaptive compression (../shared/papers/kimad.md).
 
 Each step the ranks agree on the link (BandwidthMonitor: an alpha-beta fit of every collective
-the hook ran, and the seconds per step its reported times carry beyond the fit); the communication
-budget is a time target (given, or the measured backward time so communication hides under
-compute). Every `replan_every` steps, or when the link estimate moves by a factor beyond 1 + `replan_threshold`
+the hook ran, and the seconds per step its link time carries beyond the fit); the communication
+budget is a time target on the step's link time plus codec time (given, or the measured backward
+time so communication hides under compute). Link time is each collective's least time across ranks:
+the last rank to arrive waits for no one, and a wait for a slower rank's backward is no communication
+a codec can shorten (planning on the slowest rank's times, waits included, predicted fp32 at 0.45-0.79 s
+where its collectives took 0.05-0.13 s on the 2-core lab, and ran the most compressed safe plan for nothing).
+Every `replan_every` steps, or when the link estimate moves by a factor beyond 1 + `replan_threshold`
 (either way), the plan is re-solved:
   kimad  - one option for every bucket;
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket.
@@ -144,24 +148,29 @@ class AdaptivePlanner:
                                                                  for option in self.options]
 
     # ---- at the end of a step, on the communication thread ---------------------------------------
-    def end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
+    def end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
+        """After a step's last bucket: agree on the link, record how the plan did, re-plan if due.
+        codec_s: this rank's encode + decode seconds in the step."""
         observer, link.observer = link.observer, None  # the planner's own small collectives are not samples
         try:
-            return self._end_step(link, step, backward_s, comm_s)
+            return self._end_step(link, step, backward_s, codec_s)
         finally:
             link.observer = observer
 
-    def _end_step(self, link, step: int, backward_s: float, comm_s: float) -> dict:
-        samples, reported_s = self.monitor.take_step()
-        # MAX of backward time and communication seconds; the sample counts' MAX and MIN (-MAX of -count)
-        backward_s, comm_s, most, fewest = link.allreduce(
-            torch.tensor([backward_s, comm_s, len(samples), -len(samples)], dtype=torch.float64),
+    def _end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
+        samples = self.monitor.take_step()
+        # MAX of backward and codec seconds; the sample counts' MAX and MIN (-MAX of -count)
+        backward_s, codec_s, most, fewest = link.allreduce(
+            torch.tensor([backward_s, codec_s, len(samples), -len(samples)], dtype=torch.float64),
             torch.distributed.ReduceOp.MAX).tolist()
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
-        agreed = self.monitor.agree(link, samples, reported_s) if most == -fewest else ([], 0.0)
-        bandwidth = self.monitor.update(*self.monitor.add_step(*agreed))
+        agreed = self.monitor.agree(link, samples) if most == -fewest else []
+        bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
+        # the step's communication as the budget counts it: link time (each collective's least time across
+        # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
+        comm_s = sum(service for _, service in agreed) + codec_s if agreed else None
         self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
-        if self._predicted and not self._stale:
+        if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
@@ -179,7 +188,8 @@ class AdaptivePlanner:
                      # low rank counts as 1 here: its error is taken as the bucket's whole energy
                      "plan_error": max((self.relative[i][self.options.index(codec)]
                                         for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
-                     "predicted_comm_s": self._predicted, "plan_fits": self.fits, "climbing": self.climbing}
+                     "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
+                     "climbing": self.climbing}
         return self.last
 
     def unfit_message(self) -> str:
@@ -189,9 +199,9 @@ class AdaptivePlanner:
         running = f"running the fastest safe plan, predicted at {self._predicted * 1e3:.3g} ms a step"
         if self.monitor.overhead_s >= self.budget_s() / self.margin():
             return (f"{self.mode}: the steps' collectives take {self.monitor.overhead_s * 1e3:.3g} ms a step beyond what "
-                    f"their bytes cost (waits for slower ranks, per-call overhead), more than the {budget} "
+                    f"their bytes cost (per-call overhead, gloo's threads sharing cores with the backward), more than the {budget} "
                     f"(with the margin for the steps' spread, x{self.margin():.2f}): no compression can fit it; "
-                    f"{running}: raise budget_ms, or even out the ranks' compute")
+                    f"{running}: raise budget_ms, or send fewer, larger buckets (DDP's bucket_cap_mb)")
         advice = "raise budget_ms or max_error" + (", or use kimad+ (an option per bucket)" if self.mode == "kimad" else "")
         return (f"{self.mode}: no plan within max_error={self.max_error:g} fits the {budget} at the measured "
                 f"link ({in_words(self.monitor.bandwidth)}, with the margin for the steps' spread, x{self.margin():.2f}); "

@@ -22,10 +22,11 @@ between ranks: on loopback, a header's wait for the other rank's backward dwarfs
 and low rank's 1-4 KB messages read 56 Mbit/s.
 
 `overhead_s` is what a step's collectives cost beyond the fit, which no plan can compress away: the
-0.9-quantile over recent steps of the step's summed collective times as the hook reports them (the
-slowest rank's, waiting for other ranks and queueing included) less the fit's prediction of the same
-collectives. (Planning on the least rank's sum instead left the skew out of the plan but not out of
-the steps: on the lab, 78-95% of steps within 1.1x the budget, against 95-100%.)
+0.9-quantile over recent steps of the step's agreed service times summed (its link time) less the
+fit's prediction of the same collectives. A wait for a slower rank's backward is left out: no codec
+shortens it, and on the 2-core lab it is most of what a rank reports on some steps (0.54-1.13 s on 8 of
+37 steps against 0.13-0.28 s on the rest, at no more wall time: bench/results/kimad_lab_runs.md), so
+planning on it ran the most compressed safe plan for nothing.
 
 A rise is followed once it outlasts the window: the bandwidth to plan with is the lowest of the
 last window_steps agreed estimates, and a fall counts at once. A shaper's burst can make steps look
@@ -80,7 +81,7 @@ class BandwidthMonitor:
         self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
-        self._step: list[tuple[float, float, float]] = []  # (wire bytes, service s, reported s) this step
+        self._step: list[tuple[float, float]] = []         # (wire bytes, service s) this step
         self._window: list[list[tuple[float, float]]] = []  # (wire bytes, service s) of recent steps
         self._extra: list[float] = []
         self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of the samples fitted
@@ -92,31 +93,29 @@ class BandwidthMonitor:
         done = self.clock()
         service = min(seconds, done - self._busy_until)
         self._busy_until = max(self._busy_until, done)
-        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0), seconds))
+        self._step.append((WIRE_FACTOR[collective](world_size) * payload_bytes, max(service, 0.0)))
 
-    def take_step(self) -> tuple[list[tuple[float, float]], float]:
-        """The step's samples (wire bytes, service s) and the seconds its collectives reported in all;
-        starts the next step (one swap: a collective completing on another thread lands in one step or the next)."""
+    def take_step(self) -> list[tuple[float, float]]:
+        """The step's samples (wire bytes, service s); starts the next step (one swap: a collective
+        completing on another thread lands in one step or the next)."""
         step, self._step = self._step, []
-        return [(wire, service) for wire, service, _ in step], sum(reported for _, _, reported in step)
+        return step
 
     @staticmethod
-    def agree(link, step: list[tuple[float, float]], reported_s: float) -> tuple[list[tuple[float, float]], float]:
+    def agree(link, step: list[tuple[float, float]]) -> list[tuple[float, float]]:
         """Every rank's samples of the same collectives as one: each one's service time is the least any
-        rank measured, and the step's reported seconds the most any rank's summed. The last rank to
-        arrive waits for no one, so rank skew (a slower backward reaching a bucket later) is not taken
-        for link time. Samples are matched by size, not by order: in-flight collectives complete in a
-        different order on different ranks. Call it on every rank with the same number of samples (the
-        planner checks)."""
+        rank measured. The last rank to arrive waits for no one, so rank skew (a slower backward reaching
+        a bucket later) is not taken for link time. Samples are matched by size, not by order: in-flight
+        collectives complete in a different order on different ranks. Call it on every rank with the same
+        number of samples (the planner checks)."""
         if not step:
-            return step, reported_s
+            return step
         # sizes too (MAX): every rank then fits identical samples, so every rank makes the same plan
-        rows = [[wire, -service] for wire, service in sorted(step)] + [[reported_s, 0.0]]
+        rows = [[wire, -service] for wire, service in sorted(step)]
         agreed = link.allreduce(torch.tensor(rows, dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
-        *agreed, (reported_s, _) = agreed
-        return [(wire, -service) for wire, service in agreed], reported_s
+        return [(wire, -service) for wire, service in agreed]
 
-    def add_step(self, step: list[tuple[float, float]], reported_s: float) -> tuple[float, float, float]:
+    def add_step(self, step: list[tuple[float, float]]) -> tuple[float, float, float]:
         """(bandwidth, latency, overhead_s) after one step's samples; bandwidth is 0 before any sample."""
         if step and self._skip:
             self._skip, step = self._skip - 1, []
@@ -133,7 +132,7 @@ class BandwidthMonitor:
             self._window = (self._window + [step])[-self.window_steps:]
             self._local_fit = fit([s for samples in self._window for s in samples][-self.max_samples:], self.spread)
             predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _ in step)
-            self._extra = (self._extra + [reported_s - predicted])[-self.overhead_steps:]
+            self._extra = (self._extra + [sum(service for _, service in step) - predicted])[-self.overhead_steps:]
         if self._local_fit is None:
             return 0.0, 0.0, 0.0
         alpha, slope = self._local_fit

@@ -485,7 +485,7 @@ class FixedChoice:
     def observe(self, index: int, x: torch.Tensor, ctx: Context, codec: Codec) -> None:
         pass
 
-    def end_step(self, communicator, step: int, backward_s: float, comm_s: float) -> dict:
+    def end_step(self, communicator, step: int, backward_s: float, codec_s: float) -> dict:
         return {}
 
     def describe(self) -> str:

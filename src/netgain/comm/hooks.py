@@ -341,7 +341,7 @@ class CommState:
         failed, self._failure = self._failure, None
         if failed is None and self._communicator is not None:
             totals.update(self.chooser.end_step(self._communicator, self.step, totals["backward_s"],
-                                                totals["comm_s"] + totals["encode_s"] + totals["decode_s"]))
+                                                totals["encode_s"] + totals["decode_s"]))
         self.history.append(totals)
         self.last_step = {**totals, "per_bucket": records}
         self.step += 1
