@@ -970,7 +970,10 @@ def plot_adaptive(history: dict, path: Path, title: str) -> None:
     axes[1].set(ylabel="bits per element\nchosen")
     axes[1].legend(fontsize=7)
     communication = [c + e + d for c, e, d in zip(history["comm_s"], history["encode_s"], history["decode_s"])]
-    axes[2].plot(steps, [1e3 * t for t in communication], label="communication (measured)")
+    axes[2].plot(steps, [1e3 * t for t in communication], label="rank 0's communication (its waits included)")
+    link = history.get("link_comm_s", [])
+    if len(link) == len(steps):  # a history resumed from an older record has none
+        axes[2].plot(steps, [1e3 * t if t is not None else float("nan") for t in link], label="link time (what the budget counts)")
     axes[2].plot(steps, [1e3 * b if b else float("nan") for b in history["budget_s"]], "--", label="budget")
     axes[2].set(ylabel="ms per step")
     axes[2].legend(fontsize=7)
