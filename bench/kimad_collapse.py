@@ -7,11 +7,9 @@
 A seed passes when kimad+'s final validation loss is at most 5% above fp32's. Untimed (losses only).
 
     OMP_NUM_THREADS=1 python bench/kimad_collapse.py [--seeds 10] [--steps 300] [--jobs digits,mlp85k]
-                                                     [--kimad-lowrank-rank R] [--budget-ms MS] [--out DIR]
+                                                     [--kimad-lowrank-rank R] [--out DIR]
 
-`--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k). `--budget-ms` sets
-kimad+'s budget: on loopback its default (the backward time) fits fp32 on most steps, so a budget below
-what any plan sends (1 ms) is what tests compressed plans for collapse.
+`--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k).
 
 Writes bench/results/kimad_collapse.md/.csv; `netgain train` records stay under runs/kimad_collapse/, and
 finished runs found there are reused, so an interrupted run resumes (delete the folder to start over).
@@ -51,15 +49,14 @@ def mlp85k() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Path, lowrank_rank: int | None,
-               budget_ms: float | None = None) -> None:
+def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Path, lowrank_rank: int | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
         digits = data.Digits.load()
         torch.manual_seed(seed)
         model = DDP(mlp85k())
-        state = comm.register(model, codec, lowrank_rank=lowrank_rank, budget_ms=budget_ms) if codec != "none" else None
+        state = comm.register(model, codec, lowrank_rank=lowrank_rank) if codec != "none" else None
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         losses, plans, bandwidths, errors = [], collections.Counter(), [], []
         for step in range(steps):
@@ -93,29 +90,23 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Pat
         dist.destroy_process_group()
 
 
-def _label(codec: str, lowrank_rank: int | None, budget_ms: float | None) -> str:
-    if codec == "none":
-        return codec
-    return codec + (f"-lowrank{lowrank_rank}" if lowrank_rank else "") + (f"-budget{budget_ms:g}ms" if budget_ms else "")
+def _label(codec: str, lowrank_rank: int | None) -> str:
+    return f"{codec}-lowrank{lowrank_rank}" if lowrank_rank and codec != "none" else codec
 
 
-def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None,
-            budget_ms: float | None = None) -> dict:
-    out = runs / f"mlp85k_{_label(codec, lowrank_rank, budget_ms)}_{seed}.json"
+def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
+    out = runs / f"mlp85k_{_label(codec, lowrank_rank)}_{seed}.json"
     if out.exists():  # finished in an interrupted run
         return json.loads(out.read_text())
-    mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out, lowrank_rank, budget_ms), nprocs=WORLD_SIZE,
-             join=True)
+    mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out, lowrank_rank), nprocs=WORLD_SIZE, join=True)
     return json.loads(out.read_text())
 
 
-def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None,
-               budget_ms: float | None = None) -> dict:
-    out = runs / f"digits_{_label(codec, lowrank_rank, budget_ms)}_{seed}"
+def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
+    out = runs / f"digits_{_label(codec, lowrank_rank)}_{seed}"
     if not (out / "record.json").exists():  # else finished in an interrupted run
-        extra = ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
-        extra += ["--comm-budget-ms", f"{budget_ms:g}"] if budget_ms and codec != "none" else []
-        subprocess.run(_train_command(codec, seed, steps, out) + extra, check=True, stdout=subprocess.DEVNULL,
+        lowrank = ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
+        subprocess.run(_train_command(codec, seed, steps, out) + lowrank, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
@@ -139,9 +130,6 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", default="digits,mlp85k")
     parser.add_argument("--kimad-lowrank-rank", type=int, help="kimad+ plans with low rank at this rank (no top-k)")
-    parser.add_argument("--budget-ms", type=float,
-                        help="kimad+'s communication budget (default: its own, the measured backward time); a budget "
-                             "no plan fits makes it compress as far as max_error allows on every step")
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_collapse"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
@@ -154,8 +142,7 @@ def main(argv=None) -> int:
     rows = []
     for job in jobs:
         for seed in range(1, args.seeds + 1):
-            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank, args.budget_ms)
-                           for codec in ("none", "kimad+"))
+            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank) for codec in ("none", "kimad+"))
             ratio = kimad["final_val_loss"] / fp32["final_val_loss"]
             plans = ", ".join(f"{name} x{count}" for name, count in sorted(kimad["plans"].items(), key=lambda kv: -kv[1]))
             rows.append({"job": job, "seed": seed, "fp32_val_loss": fp32["final_val_loss"],
@@ -172,13 +159,11 @@ def main(argv=None) -> int:
              f"{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} at end, 1 and 5 min); "
              f"commit {git_commit()}; 2 gloo workers, OMP_NUM_THREADS=1; untimed.",
              f"Command: `python bench/kimad_collapse.py --seeds {args.seeds} --steps {args.steps} --jobs {args.jobs}"
-             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "")
-             + (f" --budget-ms {args.budget_ms:g}" if args.budget_ms else "") + "`.",
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "") + "`.",
              "digits: `netgain train --task digits --codec none|kimad+` (64-128-10 MLP, AdamW lr 3e-3, batch 32 per "
              f"worker). mlp85k: 64-256-256-10 MLP (85,002 parameters), Adam lr {LR}, batch {BATCH} per worker, "
-             "fp32 = plain DDP, kimad+ = `netgain.comm.register(ddp, \"kimad+\")` with its defaults (budget: "
-             + (f"{args.budget_ms:g} ms, digits' --comm-budget-ms too" if args.budget_ms else "the measured backward time")
-             + "). Final validation loss on the digits test split; train loss = mean of the "
+             "fp32 = plain DDP, kimad+ = `netgain.comm.register(ddp, \"kimad+\")` with its defaults (budget: the "
+             "measured backward time). Final validation loss on the digits test split; train loss = mean of the "
              f"last 20 steps. A seed passes when kimad+ <= {TOLERANCE} x fp32.", ""]
     for job in jobs:
         mine = [r for r in rows if r["job"] == job]
