@@ -7,9 +7,11 @@
 A seed passes when kimad+'s final validation loss is at most 5% above fp32's. Untimed (losses only).
 
     OMP_NUM_THREADS=1 python bench/kimad_collapse.py [--seeds 10] [--steps 300] [--jobs digits,mlp85k]
-                                                     [--kimad-lowrank-rank R] [--out DIR]
+                                                     [--kimad-lowrank-rank R] [--rate 100mbit] [--out DIR]
 
-`--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k).
+`--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k). `--rate` runs both
+codecs' workers on the throttled-network lab (bench/lab.py, root needed) instead of loopback: on loopback the
+bytes cost no measurable time, so kimad+ fits its budget with fp32 on most steps and compresses on few.
 
 Writes bench/results/kimad_collapse.md/.csv; `netgain train` records stay under runs/kimad_collapse/, and
 finished runs found there are reused, so an interrupted run resumes (delete the folder to start over).
@@ -22,6 +24,7 @@ import collections
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +40,7 @@ sys.path.insert(0, str(HERE))
 
 import netgain.comm as comm  # noqa: E402
 from netgain import data  # noqa: E402
+from lab import Lab  # noqa: E402
 from netgain.train import free_port  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 
@@ -49,9 +53,9 @@ def mlp85k() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Path, lowrank_rank: int | None) -> None:
+def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, out: Path, lowrank_rank: int | None) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD_SIZE)
     try:
         digits = data.Digits.load()
         torch.manual_seed(seed)
@@ -90,30 +94,47 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, port: int, out: Pat
         dist.destroy_process_group()
 
 
-def _label(codec: str, lowrank_rank: int | None) -> str:
-    return f"{codec}-lowrank{lowrank_rank}" if lowrank_rank and codec != "none" else codec
+def _label(codec: str, lowrank_rank: int | None, rate: str | None) -> str:
+    label = f"{codec}-lowrank{lowrank_rank}" if lowrank_rank and codec != "none" else codec
+    return f"{label}-{rate}" if rate else label
 
 
-def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
-    out = runs / f"mlp85k_{_label(codec, lowrank_rank)}_{seed}.json"
+def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None) -> dict:
+    out = runs / f"mlp85k_{_label(codec, lowrank_rank, rate)}_{seed}.json"
     if out.exists():  # finished in an interrupted run
         return json.loads(out.read_text())
-    mp.spawn(mlp_worker, args=(codec, seed, steps, free_port(), out, lowrank_rank), nprocs=WORLD_SIZE, join=True)
+    if rate:
+        worker = json.dumps([codec, seed, steps, str(out), lowrank_rank])
+        _on_lab(rate, [sys.executable, str(Path(__file__).resolve()), "--mlp-worker", worker])
+    else:
+        mp.spawn(mlp_worker, args=(codec, seed, steps, f"tcp://127.0.0.1:{free_port()}", out, lowrank_rank),
+                 nprocs=WORLD_SIZE, join=True)
     return json.loads(out.read_text())
 
 
-def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None) -> dict:
-    out = runs / f"digits_{_label(codec, lowrank_rank)}_{seed}"
+def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None) -> dict:
+    out = runs / f"digits_{_label(codec, lowrank_rank, rate)}_{seed}"
     if not (out / "record.json").exists():  # else finished in an interrupted run
         lowrank = ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
-        subprocess.run(_train_command(codec, seed, steps, out) + lowrank, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if rate:
+            _on_lab(rate, _train_command(codec, seed, steps, out) + lowrank)
+        else:
+            subprocess.run(_train_command(codec, seed, steps, out) + lowrank, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
     plans = collections.Counter(v for plan in steps_.get("plan") or [] for v in (plan or {"-": "none (first steps)"}).values())
     return {"final_val_loss": record["summary"]["final_val_loss"], "final_train_loss": record["summary"]["final_train_loss"],
             "plans": dict(plans), "bandwidth_values": len({b for b in steps_.get("bandwidth_Bps") or [] if b}),
             "max_plan_error": None}
+
+
+def _on_lab(rate: str, cmd: list[str]) -> None:
+    """Run cmd on WORLD_SIZE lab workers whose egress is shaped to rate; a failing worker raises."""
+    with Lab(WORLD_SIZE, rate) as lab:
+        codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if any(codes):
+        raise RuntimeError(f"{shlex.join(cmd)} failed on the lab at {rate}: exit codes {codes}")
 
 
 def _train_command(codec: str, seed: int, steps: int, out: Path) -> list[str]:
@@ -130,9 +151,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", default="digits,mlp85k")
     parser.add_argument("--kimad-lowrank-rank", type=int, help="kimad+ plans with low rank at this rank (no top-k)")
+    parser.add_argument("--rate", help="run the workers on the lab at this egress rate (e.g. 100mbit; root needed)")
+    parser.add_argument("--mlp-worker", help=argparse.SUPPRESS)  # one lab worker of run_mlp: its JSON arguments
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_collapse"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
+    if args.mlp_worker:
+        codec, seed, steps, out, lowrank_rank = json.loads(args.mlp_worker)
+        mlp_worker(int(os.environ["RANK"]), codec, seed, steps, "env://", Path(out), lowrank_rank)
+        return 0
     jobs = args.jobs.split(",")
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
@@ -142,7 +169,8 @@ def main(argv=None) -> int:
     rows = []
     for job in jobs:
         for seed in range(1, args.seeds + 1):
-            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank) for codec in ("none", "kimad+"))
+            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank, args.rate)
+                           for codec in ("none", "kimad+"))
             ratio = kimad["final_val_loss"] / fp32["final_val_loss"]
             plans = ", ".join(f"{name} x{count}" for name, count in sorted(kimad["plans"].items(), key=lambda kv: -kv[1]))
             rows.append({"job": job, "seed": seed, "fp32_val_loss": fp32["final_val_loss"],
@@ -159,7 +187,9 @@ def main(argv=None) -> int:
              f"{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} at end, 1 and 5 min); "
              f"commit {git_commit()}; 2 gloo workers, OMP_NUM_THREADS=1; untimed.",
              f"Command: `python bench/kimad_collapse.py --seeds {args.seeds} --steps {args.steps} --jobs {args.jobs}"
-             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "") + "`.",
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "")
+             + (f" --rate {args.rate}" if args.rate else "") + "`"
+             + (f", every worker on the lab at {args.rate} (bench/lab.py)." if args.rate else ", on loopback."),
              "digits: `netgain train --task digits --codec none|kimad+` (64-128-10 MLP, AdamW lr 3e-3, batch 32 per "
              f"worker). mlp85k: 64-256-256-10 MLP (85,002 parameters), Adam lr {LR}, batch {BATCH} per worker, "
              "fp32 = plain DDP, kimad+ = `netgain.comm.register(ddp, \"kimad+\")` with its defaults (budget: the "
