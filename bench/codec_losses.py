@@ -56,8 +56,9 @@ def main():
              "| codec | final val loss | vs none | final train loss | compression | step s |", "|---|---|---|---|---|---|"]
     for r in rows:
         mark = " (8-bit unbiased)" if r["codec"] in EIGHT_BIT_UNBIASED else ""
+        ratio = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:.2f}x"  # None: one worker
         lines.append(f"| {r['codec']}{mark} | {r['val_loss']:.4f} | {100 * r['val_vs_none']:+.2f}% | "
-                     f"{r['train_loss']:.4f} | {'-' if r['compression_ratio'] is None else f"{r['compression_ratio']:.2f}x"} | {r['step_s']:.3f} |")
+                     f"{r['train_loss']:.4f} | {ratio} | {r['step_s']:.3f} |")
     (args.out / "codec_losses.md").write_text("\n".join(lines) + "\n")
     print((args.out / "codec_losses.md").read_text())
 
