@@ -148,3 +148,11 @@ def test_cleanup_removes_namespaces_of_dead_labs_only():
     finally:
         lab.delete_namespaces([alive])
     assert leftover not in lab.list_lab_namespaces() and alive not in lab.list_lab_namespaces()
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")))
+def test_bench_script_compiles_on_this_python(script):
+    """Benches run by hand, not by the suite: a syntax newer than this Python (an f-string nesting its own
+    quotes, 3.12+) would otherwise surface only when someone reruns them."""
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    compile(path.read_text(), str(path), "exec")
