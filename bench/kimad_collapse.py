@@ -24,7 +24,6 @@ import collections
 import gc
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +39,10 @@ sys.path.insert(0, str(HERE))
 
 import netgain.comm as comm  # noqa: E402
 from netgain import data  # noqa: E402
-from lab import Lab  # noqa: E402
 from netgain.train import free_port  # noqa: E402
+from lab import Lab  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
+from runs import train_on_lab  # noqa: E402
 
 TOLERANCE = 1.05  # kimad+ final loss at most 5% above fp32's
 WORLD_SIZE, BATCH, LR = 2, 32, 1e-3
@@ -104,8 +104,11 @@ def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | N
     if out.exists():  # finished in an interrupted run
         return json.loads(out.read_text())
     if rate:
-        worker = json.dumps([codec, seed, steps, str(out), lowrank_rank])
-        _on_lab(rate, [sys.executable, str(Path(__file__).resolve()), "--mlp-worker", worker])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--mlp-worker", json.dumps([codec, seed, steps, str(out), lowrank_rank])]
+        with Lab(WORLD_SIZE, rate) as lab:
+            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"})
+        if any(codes):
+            raise RuntimeError(f"mlp85k {codec} seed {seed} failed on the lab at {rate}: exit codes {codes}")
     else:
         mp.spawn(mlp_worker, args=(codec, seed, steps, f"tcp://127.0.0.1:{free_port()}", out, lowrank_rank),
                  nprocs=WORLD_SIZE, join=True)
@@ -115,11 +118,14 @@ def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | N
 def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None) -> dict:
     out = runs / f"digits_{_label(codec, lowrank_rank, rate)}_{seed}"
     if not (out / "record.json").exists():  # else finished in an interrupted run
-        lowrank = ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
+        flags = ["--task", "digits", "--seed", str(seed)]
+        flags += ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
         if rate:
-            _on_lab(rate, _train_command(codec, seed, steps, out) + lowrank)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "record.json").write_text(json.dumps(train_on_lab(WORLD_SIZE, rate, codec, {}, steps, flags)))
         else:
-            subprocess.run(_train_command(codec, seed, steps, out) + lowrank, check=True, stdout=subprocess.DEVNULL,
+            subprocess.run([sys.executable, "-m", "netgain.cli", "train", "--codec", codec, "--steps", str(steps),
+                            "--eval-every", "0", "--out", str(out), *flags], check=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
@@ -129,17 +135,6 @@ def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int 
             "max_plan_error": None}
 
 
-def _on_lab(rate: str, cmd: list[str]) -> None:
-    """Run cmd on WORLD_SIZE lab workers whose egress is shaped to rate; a failing worker raises."""
-    with Lab(WORLD_SIZE, rate) as lab:
-        codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if any(codes):
-        raise RuntimeError(f"{shlex.join(cmd)} failed on the lab at {rate}: exit codes {codes}")
-
-
-def _train_command(codec: str, seed: int, steps: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "netgain.cli", "train", "--task", "digits", "--codec", codec, "--seed", str(seed),
-            "--steps", str(steps), "--eval-every", "0", "--out", str(out)]
 
 
 JOBS = {"digits": run_digits, "mlp85k": run_mlp}

@@ -161,8 +161,11 @@ def main(argv=None) -> int:
              f"at end), no GPU; commit {commit}; 2 lab workers.",
              f"Command: `python bench/kimad_lab.py --steps {args.steps} --schedule {args.schedule} "
              f"--budget-ms {args.budget_ms} --codecs {args.codecs}"
-             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if lowrank else "") + "`. Communication = collective + encode + decode "
-             f"seconds per step (the hook's own timing); held to account from {SETTLE_STEPS} steps after each change.", "",
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if lowrank else "") + "`. Comm = rank 0's collective + encode + decode "
+             "seconds per step (the hook's own timing, its waits for the other rank's backward included); link (kimad "
+             "rows) = what kimad's budget counts, each collective's least time across ranks (the last rank to arrive "
+             "waits for no one) plus the slowest rank's encode + decode; held to account from "
+             f"{SETTLE_STEPS} steps after each change.", "",
              "| run | rate | steps | comm median s | comm p90 s | steps within 1.1 x budget | link comm median s "
              "| steps within 1.1 x budget, link | steps planned to fit "
              "| of those, within 1.1 x budget | bandwidth estimate Mbit/s | wire bytes/step | final val loss |",
@@ -175,10 +178,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['run']} | {r['rate']} | {r['steps']} | {r['comm_median_s']:.3f} | {r['comm_p90_s']:.3f} "
                      f"| {100 * r['within_budget']:.0f}% | {link} | {100 * r['planned_to_fit']:.0f}% | {of_fitting} | {bandwidth} "
                      f"| {r['wire_bytes']:,.0f} | {r['final_val_loss']:.4f} |")
-    lines.append(f"\nBudget: {budget_s:.3f} s per step. \"Comm\": rank 0's collective + encode + decode seconds, its "
-                 "waits for the other rank's backward included. \"Link\" (kimad rows): what kimad's budget counts, each "
-                 "collective's least time across ranks (the last rank to arrive waits for no one) plus the slowest rank's "
-                 "encode + decode. \"Planned to fit\": kimad found a plan within its max_error "
+    lines.append(f"\nBudget: {budget_s:.3f} s per step. \"Planned to fit\": kimad found a plan within its max_error "
                  "predicted inside budget / margin; on the other steps no safe plan fits, it runs the fastest safe one "
                  "and warns (fixed codecs: every step counts as planned). Lab namespaces of this process left: "
                  f"{sum(f'-{os.getpid()}-' in name for name in list_lab_namespaces())}.")

@@ -3,10 +3,8 @@
 Each step the ranks agree on the link (BandwidthMonitor: an alpha-beta fit of every collective
 the hook ran, and the seconds per step its link time carries beyond the fit); the communication
 budget is a time target on the step's link time plus codec time (given, or the measured backward
-time so communication hides under compute). Link time is each collective's least time across ranks:
-the last rank to arrive waits for no one, and a wait for a slower rank's backward is no communication
-a codec can shorten (planning on the slowest rank's times, waits included, predicted fp32 at 0.45-0.79 s
-where its collectives took 0.05-0.13 s on the 2-core lab, and ran the most compressed safe plan for nothing).
+time so communication hides under compute). Link time is each collective's least time across ranks,
+as bandwidth.py explains: a wait for a slower rank's backward is no communication a codec can shorten.
 Every `replan_every` steps, or when the link estimate moves by a factor beyond 1 + `replan_threshold`
 (either way), the plan is re-solved:
   kimad  - one option for every bucket;
@@ -47,7 +45,7 @@ import torch
 
 from .. import plan as knapsack
 from ..cost import network
-from .bandwidth import BandwidthMonitor, in_words
+from .bandwidth import BandwidthMonitor, in_words, link_time
 from .codecs import Codec, GlobalQSGD, NoCompression, TopK, check_integer, codec_profile
 from .lowrank import LowRank
 from .quantize import levels_per_side
@@ -168,7 +166,7 @@ class AdaptivePlanner:
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
-        comm_s = sum(service for _, service in agreed) + codec_s if agreed else None
+        comm_s = link_time(agreed) + codec_s if agreed else None
         self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)

@@ -132,7 +132,7 @@ class BandwidthMonitor:
             self._window = (self._window + [step])[-self.window_steps:]
             self._local_fit = fit([s for samples in self._window for s in samples][-self.max_samples:], self.spread)
             predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _ in step)
-            self._extra = (self._extra + [sum(service for _, service in step) - predicted])[-self.overhead_steps:]
+            self._extra = (self._extra + [link_time(step) - predicted])[-self.overhead_steps:]
         if self._local_fit is None:
             return 0.0, 0.0, 0.0
         alpha, slope = self._local_fit
@@ -166,6 +166,11 @@ class BandwidthMonitor:
         if predicted <= 0:
             return 0
         return 1 if measured > self.change * predicted else -1 if measured * self.change < predicted else 0
+
+
+def link_time(step: list[tuple[float, float]]) -> float:
+    """A step's link time: its (agreed) samples' service seconds, summed."""
+    return sum(service for _, service in step)
 
 
 def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, float]:
