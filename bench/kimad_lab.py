@@ -1,6 +1,6 @@
 """Kimad on a link whose rate changes during training (throttled-network lab, root needed).
 
-Every run trains the default `netgain train` job on 2 lab workers while the lab changes the
+Every run trains the default `netgain train` job on `--workers` lab workers (2) while the lab changes the
 link rate at fixed steps (default 1gbit -> 100mbit -> 300mbit, `tc qdisc change`), read live
 from rank 0's progress bar so every run sees the same schedule at the same steps. Rows: kimad+
 and kimad with a communication budget, fixed gqsgd 8-bit, fp32 (`none`), and the fixed gqsgd
@@ -8,7 +8,7 @@ whose bits per element come closest to kimad+'s average traffic. `--kimad-lowran
 rank at rank R to the kimad rows' options (in place of top-k).
 
     python bench/kimad_lab.py [--steps 120] [--schedule 0:1gbit,40:100mbit,80:300mbit] [--budget-ms 200]
-                              [--codecs kimad+,kimad,gqsgd,none] [--kimad-lowrank-rank R] [--out DIR]
+                              [--codecs kimad+,kimad,gqsgd,none] [--kimad-lowrank-rank R] [--workers 2] [--out DIR]
 
 Writes bench/results/kimad_lab.md/.csv and kimad_lab.png; records stay under runs/kimad_lab/.
 """
@@ -46,12 +46,12 @@ def parse_schedule(text: str) -> list[tuple[int, str]]:
     return phases
 
 
-def run_with_schedule(name: str, args_: list[str], steps: int, schedule, out: Path) -> dict:
+def run_with_schedule(name: str, args_: list[str], steps: int, schedule, out: Path, workers: int) -> dict:
     """Train on the lab, changing the rate when rank 0's progress bar reaches each phase's step."""
     cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
            "--eval-every", "0", "--out", str(out), *args_]
-    env = {"OMP_NUM_THREADS": str(threads_per_worker(2)), "HF_HUB_OFFLINE": "1"}
-    with Lab(2, schedule[0][1]) as lab:
+    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
+    with Lab(workers, schedule[0][1]) as lab:
         procs = lab.start(cmd, extra_env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for p in procs[1:]:
             threading.Thread(target=p.stderr.read, daemon=True).start()  # drain
@@ -119,9 +119,12 @@ def main(argv=None) -> int:
                         help="rows to run, of kimad+, kimad, gqsgd (8-bit, and the bits closest to kimad+'s traffic), none")
     parser.add_argument("--kimad-lowrank-rank", type=int,
                         help="kimad rows: add low rank at this rank to the plan's options (netgain train's flag)")
+    parser.add_argument("--workers", type=int, default=2, help="lab workers (each a rank of the job)")
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_lab"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
+    if args.workers < 2:
+        raise SystemExit(f"--workers must be at least 2 (a collective needs two ranks), got {args.workers}")
     schedule = parse_schedule(args.schedule)
     budget_s = args.budget_ms / 1e3
     load_start = os.getloadavg()
@@ -139,10 +142,11 @@ def main(argv=None) -> int:
         for name, extra in plan:
             label = " ".join([name, *extra[:2], *lowrank]) if name.startswith("kimad") else " ".join([name, *extra])
             print(f"== {label}", flush=True)
-            records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"))
+            records[label] = run_with_schedule(name, extra, args.steps, schedule, args.runs / label.replace(" ", "_"),
+                                               args.workers)
             if name == "kimad+" and "gqsgd" in codecs:  # queue the fixed codec that sends what kimad+ sent on average
                 summary = records[label]["summary"]
-                bits = closest_bits(summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"], 2)
+                bits = closest_bits(summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"], args.workers)
                 if bits != 8:
                     plan.append(("gqsgd", ["--bits", str(bits)]))
     rows = []
@@ -158,11 +162,12 @@ def main(argv=None) -> int:
     lines = ["# Kimad on a link whose rate changes during training", "",
              f"Machine: 2-core x86_64 shared with other jobs, in a quiet window (load average 1/5 min "
              f"{load_start[0]:.2f}/{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f}/{os.getloadavg()[1]:.2f} "
-             f"at end), no GPU; commit {commit}; 2 lab workers.",
+             f"at end), no GPU; commit {commit}; {args.workers} lab workers.",
              f"Command: `python bench/kimad_lab.py --steps {args.steps} --schedule {args.schedule} "
              f"--budget-ms {args.budget_ms} --codecs {args.codecs}"
-             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if lowrank else "") + "`. Comm = rank 0's collective + encode + decode "
-             "seconds per step (the hook's own timing, its waits for the other rank's backward included); link (kimad "
+             + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if lowrank else "")
+             + (f" --workers {args.workers}" if args.workers != 2 else "") + "`. Comm = rank 0's collective + encode + decode "
+             "seconds per step (the hook's own timing, its waits for the other ranks' backward included); link (kimad "
              "rows) = what kimad's budget counts, each collective's least time across ranks (the last rank to arrive "
              "waits for no one) plus the slowest rank's encode + decode; held to account from "
              f"{SETTLE_STEPS} steps after each change.", "",
