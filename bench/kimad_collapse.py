@@ -2,12 +2,12 @@
 
   digits - `netgain train --task digits` (the 64-128-10 MLP, AdamW), --codec none vs --codec kimad+;
   mlp85k - a 64-256-256-10 MLP (85k parameters) with Adam on the same digits data, in this file's
-           own DDP loop on 2 gloo workers: fp32 is plain DDP, kimad+ is netgain.comm.register(ddp,
+           own DDP loop on `--workers` gloo workers (2): fp32 is plain DDP, kimad+ is netgain.comm.register(ddp,
            "kimad+") with its defaults, as a newcomer's script would call it.
 A seed passes when kimad+'s final validation loss is at most 5% above fp32's. Untimed (losses only).
 
     OMP_NUM_THREADS=1 python bench/kimad_collapse.py [--seeds 10] [--steps 300] [--jobs digits,mlp85k]
-                                                     [--kimad-lowrank-rank R] [--rate 100mbit] [--out DIR]
+                                                     [--kimad-lowrank-rank R] [--rate 100mbit] [--workers 2] [--out DIR]
 
 `--kimad-lowrank-rank R` gives kimad+ low rank at rank R as an option (in place of top-k). `--rate` runs both
 codecs' workers on the throttled-network lab (bench/lab.py, root needed) instead of loopback: on loopback the
@@ -45,7 +45,7 @@ from provenance import git_commit, write_csv  # noqa: E402
 from runs import train_on_lab  # noqa: E402
 
 TOLERANCE = 1.05  # kimad+ final loss at most 5% above fp32's
-WORLD_SIZE, BATCH, LR = 2, 32, 1e-3
+BATCH, LR = 32, 1e-3
 
 
 def mlp85k() -> nn.Module:
@@ -53,9 +53,10 @@ def mlp85k() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, out: Path, lowrank_rank: int | None) -> None:
+def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, out: Path, lowrank_rank: int | None,
+               workers: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=workers)
     try:
         digits = data.Digits.load()
         torch.manual_seed(seed)
@@ -64,7 +65,7 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, o
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         losses, plans, bandwidths, errors = [], collections.Counter(), [], []
         for step in range(steps):
-            x, y = digits.train_batch(seed, step, rank, WORLD_SIZE, BATCH)
+            x, y = digits.train_batch(seed, step, rank, workers, BATCH)
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -82,7 +83,7 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, o
         if state is not None:
             state.close()
         if rank == 0:
-            out.write_text(json.dumps({"final_val_loss": val, "final_train_loss": train.item() / WORLD_SIZE,
+            out.write_text(json.dumps({"final_val_loss": val, "final_train_loss": train.item() / workers,
                                        "plans": dict(plans), "bandwidth_values": len({b for b in bandwidths if b}),
                                        "max_plan_error": max((e for e in errors if e is not None), default=None)}))
         # DDP's reducer must die while its group lives: destroyed later, it joins gloo's threads holding
@@ -94,39 +95,44 @@ def mlp_worker(rank: int, codec: str, seed: int, steps: int, init_method: str, o
         dist.destroy_process_group()
 
 
-def _label(codec: str, lowrank_rank: int | None, rate: str | None) -> str:
+def _label(codec: str, lowrank_rank: int | None, rate: str | None, workers: int) -> str:
     label = f"{codec}-lowrank{lowrank_rank}" if lowrank_rank and codec != "none" else codec
-    return f"{label}-{rate}" if rate else label
+    label = f"{label}-{rate}" if rate else label
+    return f"{label}-{workers}w" if workers != 2 else label
 
 
-def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None) -> dict:
-    out = runs / f"mlp85k_{_label(codec, lowrank_rank, rate)}_{seed}.json"
+def run_mlp(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None,
+            workers: int = 2) -> dict:
+    out = runs / f"mlp85k_{_label(codec, lowrank_rank, rate, workers)}_{seed}.json"
     if out.exists():  # finished in an interrupted run
         return json.loads(out.read_text())
     if rate:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--mlp-worker", json.dumps([codec, seed, steps, str(out), lowrank_rank])]
-        with Lab(WORLD_SIZE, rate) as lab:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--mlp-worker",
+               json.dumps([codec, seed, steps, str(out), lowrank_rank, workers])]
+        with Lab(workers, rate) as lab:
             codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"})
         if any(codes):
             raise RuntimeError(f"mlp85k {codec} seed {seed} failed on the lab at {rate}: exit codes {codes}")
     else:
-        mp.spawn(mlp_worker, args=(codec, seed, steps, f"tcp://127.0.0.1:{free_port()}", out, lowrank_rank),
-                 nprocs=WORLD_SIZE, join=True)
+        mp.spawn(mlp_worker, args=(codec, seed, steps, f"tcp://127.0.0.1:{free_port()}", out, lowrank_rank, workers),
+                 nprocs=workers, join=True)
     return json.loads(out.read_text())
 
 
-def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None) -> dict:
-    out = runs / f"digits_{_label(codec, lowrank_rank, rate)}_{seed}"
+def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int | None = None, rate: str | None = None,
+               workers: int = 2) -> dict:
+    out = runs / f"digits_{_label(codec, lowrank_rank, rate, workers)}_{seed}"
     if not (out / "record.json").exists():  # else finished in an interrupted run
         flags = ["--task", "digits", "--seed", str(seed)]
         flags += ["--kimad-lowrank-rank", str(lowrank_rank)] if lowrank_rank and codec != "none" else []
         if rate:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "record.json").write_text(json.dumps(train_on_lab(WORLD_SIZE, rate, codec, {}, steps, flags)))
+            (out / "record.json").write_text(json.dumps(train_on_lab(workers, rate, codec, {}, steps, flags)))
         else:
             subprocess.run([sys.executable, "-m", "netgain.cli", "train", "--codec", codec, "--steps", str(steps),
-                            "--eval-every", "0", "--out", str(out), *flags], check=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            "--eval-every", "0", "--world-size", str(workers), "--out", str(out), *flags],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
     plans = collections.Counter(v for plan in steps_.get("plan") or [] for v in (plan or {"-": "none (first steps)"}).values())
@@ -147,14 +153,17 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", default="digits,mlp85k")
     parser.add_argument("--kimad-lowrank-rank", type=int, help="kimad+ plans with low rank at this rank (no top-k)")
     parser.add_argument("--rate", help="run the workers on the lab at this egress rate (e.g. 100mbit; root needed)")
+    parser.add_argument("--workers", type=int, default=2, help="data-parallel workers of every run")
     parser.add_argument("--mlp-worker", help=argparse.SUPPRESS)  # one lab worker of run_mlp: its JSON arguments
     parser.add_argument("--runs", type=Path, default=Path("runs/kimad_collapse"))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     if args.mlp_worker:
-        codec, seed, steps, out, lowrank_rank = json.loads(args.mlp_worker)
-        mlp_worker(int(os.environ["RANK"]), codec, seed, steps, "env://", Path(out), lowrank_rank)
+        codec, seed, steps, out, lowrank_rank, workers = json.loads(args.mlp_worker)
+        mlp_worker(int(os.environ["RANK"]), codec, seed, steps, "env://", Path(out), lowrank_rank, workers)
         return 0
+    if args.workers < 2:
+        raise SystemExit(f"--workers must be at least 2 (data-parallel training), got {args.workers}")
     jobs = args.jobs.split(",")
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
     rows = []
     for job in jobs:
         for seed in range(1, args.seeds + 1):
-            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank, args.rate)
+            fp32, kimad = (JOBS[job](codec, seed, args.steps, args.runs, args.kimad_lowrank_rank, args.rate, args.workers)
                            for codec in ("none", "kimad+"))
             ratio = kimad["final_val_loss"] / fp32["final_val_loss"]
             plans = ", ".join(f"{name} x{count}" for name, count in sorted(kimad["plans"].items(), key=lambda kv: -kv[1]))
@@ -180,10 +189,11 @@ def main(argv=None) -> int:
     lines = ["# Does kimad+ collapse? Final loss against fp32 on the same seeds", "",
              f"Machine: 2-core x86_64 shared with other jobs, no GPU (load average {load_start[0]:.2f} / "
              f"{load_start[1]:.2f} at start, {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} at end, 1 and 5 min); "
-             f"commit {git_commit()}; 2 gloo workers, OMP_NUM_THREADS=1; untimed.",
+             f"commit {git_commit()}; {args.workers} gloo workers, OMP_NUM_THREADS=1; untimed.",
              f"Command: `python bench/kimad_collapse.py --seeds {args.seeds} --steps {args.steps} --jobs {args.jobs}"
              + (f" --kimad-lowrank-rank {args.kimad_lowrank_rank}" if args.kimad_lowrank_rank else "")
-             + (f" --rate {args.rate}" if args.rate else "") + "`"
+             + (f" --rate {args.rate}" if args.rate else "")
+             + (f" --workers {args.workers}" if args.workers != 2 else "") + "`"
              + (f", every worker on the lab at {args.rate} (bench/lab.py)." if args.rate else ", on loopback."),
              "digits: `netgain train --task digits --codec none|kimad+` (64-128-10 MLP, AdamW lr 3e-3, batch 32 per "
              f"worker). mlp85k: 64-256-256-10 MLP (85,002 parameters), Adam lr {LR}, batch {BATCH} per worker, "

@@ -235,6 +235,9 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
 
 @pytest.mark.parametrize("build,match", [
     (lambda: comm.GlobalQSGDConfig(bits=9), "bits must be in 2..8"),
+    (lambda: comm.GlobalQSGDConfig(bits=4.0), "bits must be an integer, got 4.0"),
+    (lambda: comm.KimadConfig(bits=(4.0,)), "bits must be an integer, got 4.0"),
+    (lambda: comm.LowRankConfig(bits=4.0), "bits must be an integer, got 4.0"),
     (lambda: comm.GlobalQSGDConfig(encoding="int4"), r"encoding='int4' is not one of \('packed', 'int8'\)"),
     (lambda: comm.TopKConfig(ratio=1.5), r"ratio must be a number in \(0, 1\]"),
     (lambda: comm.CastConfig("fp8"), r"dtype='fp8' is not one of \('fp16', 'bf16'\)"),

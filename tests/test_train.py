@@ -41,6 +41,7 @@ def test_lm_writes_record_and_loss_curve(tmp_path):
     assert record["config"]["task"] == "lm"
     assert (record["config"]["codec"], record["config"]["bits"], record["config"]["encoding"]) == ("gqsgd", 8, "packed")
     assert len(record["per_step"]["step_s"]) == len(record["per_step"]["wire_bytes"]) == 3
+    assert len(record["per_step"]["compiled"]) == 3 and all(isinstance(c, bool) for c in record["per_step"]["compiled"])
     assert [v["step"] for v in record["validation"]] == [0, 2, 3]
     result = record["summary"]
     assert 0 < result["wire_bytes_per_step"] < result["fp32_bytes_per_step"]
@@ -51,6 +52,19 @@ def test_lm_writes_record_and_loss_curve(tmp_path):
     assert "s predicted on this link" in step
     assert f"{wire}\n{step}\n" in command.stdout  # rank 0, a worker process, prints it
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_summary_leaves_out_steps_that_compiled_a_kernel():
+    """A codec's first compressed step compiles its kernels (seconds, once): the summary's step time is the
+    steady one, the compile left out, as fp32's predicted step beside it is."""
+    buckets = [{"numel": 1000, "codec": "gqsgd(bits=8,encoding=packed)", "wire_bytes": 1000, "comm_s": 1e-3}]
+    history = {"step": [0, 1, 2, 3], "step_s": [1.0, 30.0, 0.1, 0.1], "compiled": [False, True, False, False],
+               "wait_s": [0.0, 25.0, 0.02, 0.02], "wire_bytes": [4000, 1000, 1000, 1000],
+               "raw_bytes": [4000] * 4, "buckets": [buckets] * 4, "train_loss": [2.0] * 4}
+    config = train.build_config(cli.build_parser().parse_args(["train", "--task", "digits", "--steps", "4"]))
+    result = train.summarize(config, 2, history, [{"step": 4, "val_loss": 1.0}], torch.nn.Linear(2, 2))
+    assert result["step_s"] == pytest.approx(0.1) and result["comm_wait_s"] == pytest.approx(0.02)
+    assert result["wire_bytes_per_step"] == 1000
 
 
 def test_link_is_fitted_to_the_runs_collectives():

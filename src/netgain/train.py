@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
+from netgain.comm import fused
 from netgain import data, models
 from netgain.comm import bandwidth
 from netgain.cost import network as net
@@ -675,7 +676,7 @@ class SilenceNotice:
             if silent >= self.after_s and told != (since, int(silent // self.after_s)):
                 told = (since, int(silent // self.after_s))
                 print(f"netgain train: rank {self.rank} has made no progress for {silent:.0f} s while {doing}: "
-                      f"a peer may be stuck or gone (the run fails after --collective-timeout "
+                      f"a peer may be stuck or gone, or a codec compiling its kernels (the run fails after --collective-timeout "
                       f"{self.timeout_s:g} s of waiting)", file=sys.stderr, flush=True)
 
 
@@ -721,6 +722,7 @@ class Trainer:
         bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
         for step in bar:
             self.progress.beat(f"in step {step}")
+            compiled_before = fused.compiled_kernels()
             start = time.perf_counter()
             loss = self.task.train_loss(self.model, step, self.rank, self.world_size, self.device)
             self.optimizer.zero_grad(set_to_none=True)
@@ -731,6 +733,7 @@ class Trainer:
             step_s = time.perf_counter() - start
             history["step"].append(step)
             history["step_s"].append(step_s)
+            history.setdefault("compiled", []).append(fused.compiled_kernels() > compiled_before)
             history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
             adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()
@@ -855,15 +858,16 @@ def report(config: TrainConfig, world_size: int, history: dict, validations: lis
 
 def summarize(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
               model: nn.Module) -> dict:
-    """Means over the steps after the first of this run (the first also builds DDP's buckets), and
-    fp32's step time on this run's link as netgain's cost model predicts it from the measured compute."""
-    timed = slice(1, None) if len(history["step_s"]) > 1 else slice(None)
-    step_s = _mean(history["step_s"][timed])
-    wait_s = _mean(history["wait_s"][timed])
-    wire = _mean(history["wire_bytes"][timed])
-    raw = _mean(history["raw_bytes"][timed])
+    """Means over the steady steps of this run: after the first (which also builds DDP's buckets), and
+    without the steps in which a codec kernel compiled (seconds of one-off torch.compile); and fp32's step
+    time on this run's link as netgain's cost model predicts it from the measured compute."""
+    steps = len(history["step_s"])
+    compiled = history.get("compiled") or [False] * steps
+    timed = [i for i in range(1, steps) if not compiled[i]] or list(range(steps))
+    step_s, wait_s, wire, raw = (_mean([history[key][i] for i in timed])
+                                 for key in ("step_s", "wait_s", "wire_bytes", "raw_bytes"))
     hop_size = config.replicas if config.fsdp else world_size  # the ranks the codec's collectives span
-    link = fit_link(history["buckets"][timed], hop_size)
+    link = fit_link([history["buckets"][i] for i in timed], hop_size)
     fp32_step_s = (net.predict([b["numel"] for b in history["buckets"][-1]], hop_size, link,
                                compute_s=step_s - wait_s).step_s if link else None)
     final = validations[-1]

@@ -38,6 +38,7 @@ BITS_RANGE = range(2, 9)
 
 
 def check_bits(bits: int) -> int:
+    check_integer("bits", bits)
     if bits not in BITS_RANGE:
         raise ValueError(f"bits must be in {BITS_RANGE.start}..{BITS_RANGE.stop - 1}, got bits={bits}")
     return bits

@@ -93,12 +93,22 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
         if not compile_enabled(args[0].device):
             return fn(*args, **kwargs)
         key = variant(*args, **kwargs) if variant else None
-        if key not in compiled:
+        if key not in compiled:  # torch.compile compiles on this first call
             compiled[key] = torch.compile(_own_code(fn) if variant else fn, dynamic=True, options=options)
+            _compiled[0] += 1
         return compiled[key](*args, **kwargs)
 
     run.eager = fn
     return run
+
+
+_compiled = [0]
+
+
+def compiled_kernels() -> int:
+    """How many kernels this process has compiled so far: a step during which it grew paid seconds of
+    one-off compiling, which a steady-state step time leaves out."""
+    return _compiled[0]
 
 
 def _own_code(fn):
