@@ -141,8 +141,6 @@ def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int 
             "max_plan_error": None}
 
 
-
-
 JOBS = {"digits": run_digits, "mlp85k": run_mlp}
 
 

@@ -41,9 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
-from netgain.comm import fused
 from netgain import data, models
-from netgain.comm import bandwidth
+from netgain.comm import bandwidth, fused
 from netgain.cost import network as net
 
 TASKS = ("lm", "digits")
@@ -716,7 +715,7 @@ class Trainer:
 
     def train(self) -> None:
         c = self.config
-        history: dict[str, list] = {"step": [], "step_s": [], "time_unix": [], "train_loss": []}
+        history: dict[str, list] = {"step": [], "step_s": [], "compiled": [], "time_unix": [], "train_loss": []}
         validations = [{"step": self.start_step, **self.evaluate()}]
         samples_per_step = c.batch_size * self.world_size
         bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
@@ -733,7 +732,7 @@ class Trainer:
             step_s = time.perf_counter() - start
             history["step"].append(step)
             history["step_s"].append(step_s)
-            history.setdefault("compiled", []).append(fused.compiled_kernels() > compiled_before)
+            history["compiled"].append(fused.compiled_kernels() > compiled_before)
             history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
             adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()

@@ -77,6 +77,15 @@ def _compiler_present(device_type: str) -> bool:
     return device_type == "cpu" and any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang"))
 
 
+_compiled = [0]
+
+
+def compiled_kernels() -> int:
+    """How many kernels this process has compiled so far: a step during which it grew paid seconds of
+    one-off compiling, which a steady-state step time leaves out."""
+    return _compiled[0]
+
+
 def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     """fn compiled (dynamic shapes: one compile serves every bucket size) or eager, chosen per device;
     ``options``: inductor's, for this kernel (``@kernel(options=...)``); ``variant``: for a kernel whose
@@ -100,15 +109,6 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
 
     run.eager = fn
     return run
-
-
-_compiled = [0]
-
-
-def compiled_kernels() -> int:
-    """How many kernels this process has compiled so far: a step during which it grew paid seconds of
-    one-off compiling, which a steady-state step time leaves out."""
-    return _compiled[0]
 
 
 def _own_code(fn):
