@@ -42,7 +42,7 @@ from netgain import data  # noqa: E402
 from netgain.train import free_port  # noqa: E402
 from lab import Lab  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
-from runs import train_on_lab  # noqa: E402
+from runs import train_command, train_on_lab  # noqa: E402
 
 TOLERANCE = 1.05  # kimad+ final loss at most 5% above fp32's
 BATCH, LR = 32, 1e-3
@@ -129,10 +129,8 @@ def run_digits(codec: str, seed: int, steps: int, runs: Path, lowrank_rank: int 
             out.mkdir(parents=True, exist_ok=True)
             (out / "record.json").write_text(json.dumps(train_on_lab(workers, rate, codec, {}, steps, flags)))
         else:
-            subprocess.run([sys.executable, "-m", "netgain.cli", "train", "--codec", codec, "--steps", str(steps),
-                            "--eval-every", "0", "--world-size", str(workers), "--out", str(out), *flags],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            subprocess.run(train_command(codec, steps, out, [*flags, "--world-size", str(workers)]), check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     record = json.loads((out / "record.json").read_text())
     steps_ = record["per_step"]
     plans = collections.Counter(v for plan in steps_.get("plan") or [] for v in (plan or {"-": "none (first steps)"}).values())

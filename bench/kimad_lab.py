@@ -29,10 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
-from model_validation import threads_per_worker  # noqa: E402
 
 from netgain.comm.codecs import make_codec  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
+from runs import train_command, worker_env  # noqa: E402
 
 SETTLE_STEPS = 3  # steps after a rate change before the budget is held to account (monitor + re-plan)
 WITHIN = 1.10     # "within 10% of the budget"
@@ -48,11 +48,9 @@ def parse_schedule(text: str) -> list[tuple[int, str]]:
 
 def run_with_schedule(name: str, args_: list[str], steps: int, schedule, out: Path, workers: int) -> dict:
     """Train on the lab, changing the rate when rank 0's progress bar reaches each phase's step."""
-    cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
-           "--eval-every", "0", "--out", str(out), *args_]
-    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
+    cmd = train_command(name, steps, out, args_)
     with Lab(workers, schedule[0][1]) as lab:
-        procs = lab.start(cmd, extra_env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs = lab.start(cmd, extra_env=worker_env(workers), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for p in procs[1:]:
             threading.Thread(target=p.stderr.read, daemon=True).start()  # drain
         pending = list(schedule[1:])

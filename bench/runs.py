@@ -25,19 +25,28 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
+def train_command(codec: str, steps: int, out, args=()) -> list[str]:
+    """The `netgain train` command line every bench runner starts: validation only at the end."""
+    return [sys.executable, "-m", "netgain.cli", "train", "--codec", codec, "--steps", str(steps),
+            "--eval-every", "0", "--out", str(out), *args]
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    """A lab worker's share of the cores, and no hub lookups."""
+    return {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
+
+
 def train_on_lab(workers: int, rate: str | None, name: str, params: dict, steps: int,
                  train_args: list[str]) -> dict:
     """Run `netgain train --codec name --key value...` with one rank per lab namespace; rank 0's
     record.json. A failing run raises with the tail of rank 0's stderr."""
     with tempfile.TemporaryDirectory(prefix="netgain-lab-run-") as out:
-        cmd = [sys.executable, "-m", "netgain.cli", "train", "--codec", name, "--steps", str(steps),
-               "--eval-every", "0", "--out", out, *train_args]
+        cmd = train_command(name, steps, out, train_args)
         for key, value in params.items():
             cmd += [f"--{key}", str(value)]
-        env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "HF_HUB_OFFLINE": "1"}
         log = Path(out) / "stderr.log"
         with open(log, "w") as stderr, Lab(workers, rate) as lab:
-            codes = lab.run(cmd, extra_env=env, timeout=RUN_TIMEOUT_S, stdout=subprocess.DEVNULL,
+            codes = lab.run(cmd, extra_env=worker_env(workers), timeout=RUN_TIMEOUT_S, stdout=subprocess.DEVNULL,
                             stderr=stderr)
         if any(codes):
             tail = log.read_text()[-2000:]

@@ -114,6 +114,7 @@ class KimadConfig:
     the time target per step (None: the measured backward time, so communication hides under it).
     max_error: an option is admissible only if the error it adds to the averaged gradient is at
     most this fraction of the gradient's energy (what keeps the plan from collapsing onto top-k).
+    bits: the Global-QSGD widths offered (empty: no quantized option, only none, top-k and low rank).
     topk_ratios: top-k (EF21) options (None: 0.001, 0.01, 0.1, or none with low rank). lowrank_rank:
     adds low rank at this rank, 8-bit Global-QSGD factors, as an option (in place of top-k: a bucket
     keeps one error-feedback memory); admitted by error feedback, not by max_error.
