@@ -1,7 +1,8 @@
 """Run `netgain train` on the throttled-network lab and read its record (shared by bench scripts).
 
-Why: model_validation.py and e2e.py train the same job on the same lab and must measure it the
-same way (same thread share per worker, same skipped warm-up steps, same medians).
+Why: model_validation.py, e2e.py, kimad_lab.py and kimad_collapse.py train the same job on the same
+lab and must measure it the same way (same command line, thread share per worker, skipped warm-up
+steps and medians).
 """
 
 from __future__ import annotations
