@@ -861,8 +861,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
     without the steps in which a codec kernel compiled (seconds of one-off torch.compile); and fp32's step
     time on this run's link as netgain's cost model predicts it from the measured compute."""
     steps = len(history["step_s"])
-    compiled = history.get("compiled") or [False] * steps
-    timed = [i for i in range(1, steps) if not compiled[i]] or list(range(steps))
+    timed = [i for i in range(1, steps) if not history["compiled"][i]] or list(range(steps))
     step_s, wait_s, wire, raw = (_mean([history[key][i] for i in timed])
                                  for key in ("step_s", "wait_s", "wire_bytes", "raw_bytes"))
     hop_size = config.replicas if config.fsdp else world_size  # the ranks the codec's collectives span

@@ -77,13 +77,13 @@ def _compiler_present(device_type: str) -> bool:
     return device_type == "cpu" and any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang"))
 
 
-_compiled = [0]
+_KERNEL_CACHES: list[dict] = []  # every kernel's compiled variants
 
 
 def compiled_kernels() -> int:
     """How many kernels this process has compiled so far: a step during which it grew paid seconds of
     one-off compiling, which a steady-state step time leaves out."""
-    return _compiled[0]
+    return sum(len(cache) for cache in _KERNEL_CACHES)
 
 
 def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
@@ -96,6 +96,7 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     if fn is None:
         return functools.partial(kernel, options=options, variant=variant)
     compiled = {}
+    _KERNEL_CACHES.append(compiled)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -104,7 +105,6 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
         key = variant(*args, **kwargs) if variant else None
         if key not in compiled:  # torch.compile compiles on this first call
             compiled[key] = torch.compile(_own_code(fn) if variant else fn, dynamic=True, options=options)
-            _compiled[0] += 1
         return compiled[key](*args, **kwargs)
 
     run.eager = fn
