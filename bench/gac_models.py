@@ -1,5 +1,5 @@
-"""Models and text for the GAC benchmarks: a Llama-3-8B-shaped latency model, the held-out corpora
-(KJV Bible, CPython standard library source) and a second calibration domain (GCIDE, Webster 1913). Gemma-3-270M and the Python docs come from
+"""Text for the GAC benchmarks: the held-out corpora (KJV Bible, CPython standard library source) and a
+second calibration domain (GCIDE, Webster 1913). Gemma-3-270M and the Python docs come from
 `netgain.align.defaults` (the CLI's embedded default).
 
     python bench/gac_models.py      # convert the packaged Gemma-3-270M once into the user cache
@@ -12,30 +12,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-import torch
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def llama3_8b_shaped(layers: int = 2, vocab_size: int = 1024, dtype=torch.bfloat16):
-    """Random-weight Llama with Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads).
-
-    Only `layers` decoder layers and a small vocabulary: it exists to time the layers, not to predict text.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=vocab_size,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def kjv_text() -> str:
