@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from netgain.comm import fused
-from netgain.comm.codecs import SETTINGS as VARIANTS, bucket_wire_bits, make_codec, time_codec
+from netgain.comm.calibrate import bucket_wire_bits, time_codec
+from netgain.comm.config import SETTINGS as VARIANTS, make_codec
 from provenance import git_commit, wait_for_quiet, write_csv
 
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import netgain.comm as comm
-from netgain.comm.codecs import SETTINGS, bucket_wire_bits, make_codec, time_codec
+from netgain.comm.calibrate import bucket_wire_bits, time_codec
+from netgain.comm.config import SETTINGS, make_codec
 from netgain.cost import network
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from lab import Lab, list_lab_namespaces, terminate_on_signals  # noqa: E402
 
-from netgain.comm.codecs import make_codec  # noqa: E402
+from netgain.comm import make_codec  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 from runs import train_command, worker_env  # noqa: E402
 

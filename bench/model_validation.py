@@ -36,7 +36,7 @@ from lab import list_lab_namespaces, terminate_on_signals  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 from runs import SKIP_STEPS, measured, threads_per_worker, train_on_lab  # noqa: E402
 
-from netgain.comm.codecs import codec_profile, make_codec  # noqa: E402
+from netgain.comm import codec_profile, make_codec  # noqa: E402
 from netgain.cost import network as net  # noqa: E402
 
 DEFAULT_CODECS = ("none", "fp16", "gqsgd:8:int8", "gqsgd:8:packed", "gqsgd:4", "topk:0.01")
@@ -88,7 +88,8 @@ def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
     import torch.distributed as dist
 
     from netgain.comm import fused
-    from netgain.comm.codecs import Context, bucket_layout
+    from netgain.comm.calibrate import bucket_layout
+    from netgain.comm.codecs import Context
 
     ops = []
     for shapes in buckets:

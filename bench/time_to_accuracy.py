@@ -298,7 +298,7 @@ def lab_link(rate: str):
 def codec_profiles(workers: int, cost: str, shapes: tuple | None = None, slowdown: float = 1.0):
     """netgain model's candidates, calibrated at a lab worker's threads (cores / workers) and charged
     `slowdown` x their encode and decode: the lab's workers share the cores that calibration had alone."""
-    from netgain.comm.codecs import candidate_profiles
+    from netgain.comm.config import candidate_profiles
 
     threads = threads_per_worker(workers)
     return tuple((dataclasses.replace(profile, encode_s_per_elem=profile.encode_s_per_elem * slowdown,

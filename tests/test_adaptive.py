@@ -12,7 +12,8 @@ import netgain.comm as comm
 from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
-from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK, codec_profile
+from netgain.comm.calibrate import codec_profile
+from netgain.comm.codecs import Context, GlobalQSGD, NoCompression, TopK
 from netgain.comm.fused import Segments
 from netgain.comm.lowrank import LowRank
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from netgain import cli
-from netgain.comm.codecs import SETTINGS, candidate_profiles, codec_profile, make_codec
+from netgain.comm.calibrate import codec_profile
+from netgain.comm.config import SETTINGS, candidate_profiles, make_codec
 from netgain.cost import advise, network as net
 from netgain.cost.kernels import GPU, GPUS
 

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _candidate_profiles(world_size, cost, shapes=None):
-    from netgain.comm.codecs import candidate_profiles
+    from netgain.comm.config import candidate_profiles
 
     return candidate_profiles(world_size, cost, shapes)
 

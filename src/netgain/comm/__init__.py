@@ -8,10 +8,11 @@
 
 from . import baselines
 from .adaptive import MODES as ADAPTIVE_MODES, AdaptivePlanner
-from .codecs import CODEC_NAMES as FIXED_CODEC_NAMES, Codec, codec_profile, make_codec, time_codec
-from .config import (CODEC_NAMES, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig, KimadConfig,
-                     LowRankConfig, NoCompressionConfig, QSGDConfig, RandomKConfig, TopKConfig, codec_config,
-                     comm_config, default_warmup_steps)
+from .calibrate import codec_profile, time_codec
+from .codecs import Codec
+from .config import (CODEC_NAMES, FIXED_CODEC_NAMES, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
+                     KimadConfig, LowRankConfig, NoCompressionConfig, QSGDConfig, RandomKConfig, TopKConfig,
+                     codec_config, comm_config, default_warmup_steps, make_codec)
 from .hooks import CommState, NonFiniteGradientError, PlanMismatchError, hook, register
 
 __all__ = ["ADAPTIVE_MODES", "AdaptivePlanner", "CODEC_NAMES", "FIXED_CODEC_NAMES", "CastConfig", "Codec",

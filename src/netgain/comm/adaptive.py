@@ -46,7 +46,8 @@ import torch
 from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor, in_words, link_time
-from .codecs import Codec, GlobalQSGD, NoCompression, TopK, check_integer, codec_profile
+from .calibrate import codec_profile
+from .codecs import Codec, GlobalQSGD, NoCompression, TopK, check_integer
 from .lowrank import LowRank
 from .quantize import levels_per_side
 

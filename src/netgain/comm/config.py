@@ -18,8 +18,12 @@ from typing import ClassVar, Union
 import torch
 
 from .adaptive import MAX_ERROR, AdaptivePlanner
-from .codecs import Cast, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK, check_integer
+from .calibrate import codec_profile
+from .codecs import (Cast, Codec, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK,
+                     check_integer)
 from .lowrank import LowRank
+from ..cost import network
+from ..cost.kernels import GPU
 
 NONFINITE_POLICIES = ("raise", "uncompressed")
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -144,6 +148,7 @@ CODEC_CONFIGS = {"none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastCo
                  "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,
                  "randomk": RandomKConfig, "lowrank": LowRankConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
 CODEC_NAMES = tuple(CODEC_CONFIGS)
+FIXED_CODEC_NAMES = tuple(name for name, config in CODEC_CONFIGS.items() if config is not KimadConfig)
 CODEC_FIELDS = {f.name for cls in set(CODEC_CONFIGS.values()) for f in dataclasses.fields(cls)} - {"dtype", "mode"}
 
 
@@ -209,6 +214,35 @@ def codec_config(name: str, **params) -> CodecConfig:
         params["topk_ratios"] = tuple(params["topk_ratios"]) if params.get("topk_ratios") is not None else None
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**{key: value for key, value in params.items() if key in fields and value is not None})
+
+
+def make_codec(name: str, **params) -> Codec:
+    """The codec of a fixed codec's name, with codec_config's rules for the options (Kimad's names plan
+    a codec per bucket and build none)."""
+    if name not in FIXED_CODEC_NAMES and name in CODEC_CONFIGS:
+        raise ValueError(f"{name!r} plans a codec per bucket; make_codec builds one of {', '.join(FIXED_CODEC_NAMES)}")
+    return codec_config(name, **params).build().codec
+
+
+# every fixed codec at the settings a user would try first: what `netgain model` weighs and benchmarks time
+SETTINGS = (("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 8}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
+            ("gqsgd", {"bits": 8}), ("gqsgd", {"bits": 4}), ("gqsgd", {"bits": 2}), ("gqsgd-exp", {"bits": 8}),
+            ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}), ("lowrank", {"rank": 4, "factors": "fp32"}),
+            ("lowrank", {"rank": 4}))
+
+
+def candidate_profiles(world_size: int, cost: "str | GPU", shapes: list[tuple[int, ...]] | None = None,
+                       threads: int | None = None) -> list[tuple[network.CodecProfile, str]]:
+    """(profile, convergence) of every codec in SETTINGS that runs at ``world_size``: what `netgain model`
+    weighs; ``shapes``, ``threads``: what to calibrate on, and with (see codec_profile)."""
+    out = []
+    for name, params in SETTINGS:
+        codec = make_codec(name, **params)
+        try:
+            out.append((codec_profile(codec, world_size, cost, threads=threads, shapes=shapes), codec.convergence))
+        except ValueError:  # e.g. gqsgd int8 holds at most 127 workers
+            continue
+    return out
 
 
 def _refuse_unknown(params: dict, known: set[str], what: str) -> None:

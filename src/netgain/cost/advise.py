@@ -150,7 +150,7 @@ def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: flo
              tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None,
              codec_shares_compute: bool = False, steps: dict[str, float] | None = None) -> list[Row]:
     """Predict every candidate codec, given as (profile, convergence) data: netgain.cost knows no
-    codecs (the CLI passes netgain.comm.codecs.candidate_profiles). `tensors`: parameters per
+    codecs (the CLI passes netgain.comm.config.candidate_profiles). `tensors`: parameters per
     bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors;
     `codec_shares_compute`: see net.predict (True on CPU workers); `steps`: measured steps to the
     target per codec name (read_steps; "none" is 1 by definition)."""
