@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from netgain.train import free_port, worker_start_method
+from netgain.train.launch import free_port, worker_start_method
 
 
 def _worker(rank, world_size, port, folder, fn, args):

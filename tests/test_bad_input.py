@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from netgain import cli, train
+from netgain import cli
+from netgain.train.checkpoints import SHARDED_CHECKPOINT_FILE, resume_changes
+from netgain.train.cli import build_config, configure, prepare_outputs
+from netgain.train.config import TrainConfig
+from netgain.train.launch import worker_failure
+from netgain.train.loop import SilenceNotice
 
 CPUS = os.cpu_count() or 1
 needs_proc_children = pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
@@ -25,12 +30,12 @@ needs_proc_children = pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    train.configure(parser)
+    configure(parser)
     return parser.parse_args(argv)
 
 
-def config(*argv: str) -> train.TrainConfig:
-    return train.build_config(parse(*argv))
+def config(*argv: str) -> TrainConfig:
+    return build_config(parse(*argv))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -106,14 +111,14 @@ def test_empty_data_folder(tmp_path):
 def test_out_under_a_file_fails_before_training(tmp_path):
     (tmp_path / "file").write_text("mine")
     with pytest.raises(ValueError, match=r"--out .*file/run: cannot create it \(Not a directory\)"):
-        train.prepare_outputs(config("--out", str(tmp_path / "file" / "run")))
+        prepare_outputs(config("--out", str(tmp_path / "file" / "run")))
     assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_checkpoint_under_a_file_fails_before_training(tmp_path):
     (tmp_path / "file").write_text("mine")
     with pytest.raises(ValueError, match="--checkpoint: .*file is not a folder"):
-        train.prepare_outputs(config("--out", str(tmp_path / "run"), "--checkpoint", str(tmp_path / "file" / "ck.pt")))
+        prepare_outputs(config("--out", str(tmp_path / "run"), "--checkpoint", str(tmp_path / "file" / "ck.pt")))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
@@ -121,7 +126,7 @@ def test_read_only_out_fails_before_training(tmp_path):
     tmp_path.chmod(0o500)
     try:
         with pytest.raises(ValueError, match="--out: cannot write to"):
-            train.prepare_outputs(config("--out", str(tmp_path)))
+            prepare_outputs(config("--out", str(tmp_path)))
     finally:
         tmp_path.chmod(0o700)
 
@@ -129,7 +134,7 @@ def test_read_only_out_fails_before_training(tmp_path):
 def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
-    first, second = (train.prepare_outputs(config()).out for _ in range(2))
+    first, second = (prepare_outputs(config()).out for _ in range(2))
     assert first == "runs/gqsgd-20260101-000000" and second == "runs/gqsgd-20260101-000000-2"
     assert Path(first).is_dir() and Path(second).is_dir()
 
@@ -237,7 +242,7 @@ def test_resume_keeps_the_checkpoints_warmup_unless_told(tmp_path):
 def test_resume_applies_lr_batch_size_and_data_and_names_them(tmp_path):
     path = fake_checkpoint(tmp_path / "ck.pt")
     resumed = config("--resume", str(path), "--lr", "0.5", "--batch-size", "4")
-    assert train.resume_changes(resumed) == {"lr": (0.003, 0.5), "batch_size": (16, 4)}
+    assert resume_changes(resumed) == {"lr": (0.003, 0.5), "batch_size": (16, 4)}
 
 
 # ------------------------------------------------------------------ --fsdp
@@ -279,7 +284,7 @@ def test_fsdp_checkpoint_does_not_replace_a_folder_that_is_not_one(tmp_path):
     with pytest.raises(ValueError, match="--checkpoint .*mine exists and is not a netgain --fsdp checkpoint"):
         config(*FSDP, "--checkpoint", str(tmp_path / "mine"))
     (tmp_path / "ck-4").mkdir()
-    (tmp_path / "ck-4" / train.SHARDED_CHECKPOINT_FILE).write_text("{}")
+    (tmp_path / "ck-4" / SHARDED_CHECKPOINT_FILE).write_text("{}")
     assert config(*FSDP, "--checkpoint", str(tmp_path / "ck-{step}"), "--steps", "4").checkpoint
 
 
@@ -287,7 +292,7 @@ def fake_sharded_checkpoint(folder: Path, step: int = 4, **settings) -> Path:
     """What check_resume reads of an --fsdp checkpoint: the JSON next to DCP's files."""
     folder.mkdir()
     saved = asdict(config(*FSDP, *[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
-    (folder / train.SHARDED_CHECKPOINT_FILE).write_text(json.dumps({"step": step, "world_size": 4, "config": saved}))
+    (folder / SHARDED_CHECKPOINT_FILE).write_text(json.dumps({"step": step, "world_size": 4, "config": saved}))
     return folder
 
 
@@ -359,7 +364,7 @@ def test_model_default_link_still_applies():
 
 
 def test_silence_notice_names_the_rank_what_it_waits_in_and_the_timeout(capsys):
-    notice = train.SilenceNotice(rank=1, timeout_s=0.4)
+    notice = SilenceNotice(rank=1, timeout_s=0.4)
     notice.beat("in step 3")
     time.sleep(0.5)
     notice.close()
@@ -369,7 +374,7 @@ def test_silence_notice_names_the_rank_what_it_waits_in_and_the_timeout(capsys):
 
 
 def test_silence_notice_is_quiet_while_progress_is_made(capsys):
-    notice = train.SilenceNotice(rank=0, timeout_s=0.4)
+    notice = SilenceNotice(rank=0, timeout_s=0.4)
     for step in range(10):
         notice.beat(f"in step {step}")
         time.sleep(0.05)
@@ -402,7 +407,7 @@ class Train:
             time.sleep(0.05)
 
     def workers(self) -> list[int]:
-        """The workers (`train.worker_start_method`): the forks of the parent's forkserver, or its spawned
+        """The workers (`launch.worker_start_method`): the forks of the parent's forkserver, or its spawned
         children (not multiprocessing's resource tracker); [] once the parent is gone."""
         workers = []
         for child in _children(self.proc.pid):
@@ -490,7 +495,7 @@ def test_worker_failure_line_names_the_exception_and_the_timeout():
     error = Failed("-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
                    "  File \"x.py\", line 1\nRuntimeError: [gloo] Timed out waiting 3000ms for recv\n\nAt:\n"
                    "  collectives.py(60): finished\n")
-    assert train.worker_failure(error, config("--collective-timeout", "3")) == (
+    assert worker_failure(error, config("--collective-timeout", "3")) == (
         "netgain train: worker 1 failed: RuntimeError: [gloo] Timed out waiting 3000ms for recv "
         "(a peer was silent for --collective-timeout 3 s)")
 

@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from netgain import cli, train
+from netgain import cli
+from netgain.train.cli import build_config
+from netgain.train.report import fit_link, summarize, versus_fp32
 
 
 def run_train(*argv: str) -> int:
@@ -61,8 +63,8 @@ def test_summary_leaves_out_steps_that_compiled_a_kernel():
     history = {"step": [0, 1, 2, 3], "step_s": [1.0, 30.0, 0.1, 0.1], "compiled": [False, True, False, False],
                "wait_s": [0.0, 25.0, 0.02, 0.02], "wire_bytes": [4000, 1000, 1000, 1000],
                "raw_bytes": [4000] * 4, "buckets": [buckets] * 4, "train_loss": [2.0] * 4}
-    config = train.build_config(cli.build_parser().parse_args(["train", "--task", "digits", "--steps", "4"]))
-    result = train.summarize(config, 2, history, [{"step": 4, "val_loss": 1.0}], torch.nn.Linear(2, 2))
+    config = build_config(cli.build_parser().parse_args(["train", "--task", "digits", "--steps", "4"]))
+    result = summarize(config, 2, history, [{"step": 4, "val_loss": 1.0}], torch.nn.Linear(2, 2))
     assert result["step_s"] == pytest.approx(0.1) and result["comm_wait_s"] == pytest.approx(0.02)
     assert result["wire_bytes_per_step"] == 1000
 
@@ -71,17 +73,17 @@ def test_link_is_fitted_to_the_runs_collectives():
     """Buckets that took 1 ms + bytes / (100 MB/s) give that link (the one fp32 is predicted on)."""
     steps = [[{"numel": numel, "codec": "gqsgd(bits=8,encoding=packed)", "wire_bytes": numel,
                "comm_s": 1e-3 + numel / 1e8} for numel in (1000, 100_000)]] * 3
-    link = train.fit_link(steps, world_size=2)  # a ring allreduce at 2 workers sends its payload once
+    link = fit_link(steps, world_size=2)  # a ring allreduce at 2 workers sends its payload once
     assert link.bandwidth == pytest.approx(1e8) and link.overhead == pytest.approx(1e-3)
-    assert train.fit_link([[]] * 3, world_size=2) is None  # PyTorch's hooks (ddp*) time no bucket
+    assert fit_link([[]] * 3, world_size=2) is None  # PyTorch's hooks (ddp*) time no bucket
 
 
 def test_versus_fp32_without_a_link_or_a_peer_says_why():
     ddp = {"wire_bytes_per_step": 4e6, "fp32_bytes_per_step": 4e6, "step_s": 0.2, "predicted_fp32_step_s": None}
-    assert train.versus_fp32(ddp, hop_size=2, fsdp=False) == [
+    assert versus_fp32(ddp, hop_size=2, fsdp=False) == [
         "wire 4 MB/step vs 4 MB fp32: no fewer",
         "step 0.2 s measured; fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"]
-    assert train.versus_fp32(ddp, hop_size=1, fsdp=False) == [
+    assert versus_fp32(ddp, hop_size=1, fsdp=False) == [
         "no communication (1 worker): nothing for a codec to compress, fp32 included"]
 
 

@@ -1,0 +1,265 @@
+"""`netgain train`'s options, and the checks that turn them into a TrainConfig in the parent, before any
+worker starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import netgain.comm as comm
+import netgain.comm.fsdp as comm_fsdp
+from netgain import data, models
+from netgain.train.checkpoints import check_checkpoint_paths, check_resume, read_checkpoint, resume_changes
+from netgain.train.config import TrainConfig, flag
+from netgain.train.launch import launched_by_torchrun, spawn_workers
+from netgain.train.loop import SILENCE_NOTICE_S, train_worker
+
+TASKS = ("lm", "digits")
+DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
+CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
+DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (why: --codec's help)
+COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
+LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
+DEFAULT_WORLD_SIZE = 2
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    bits = comm.codecs.BITS_RANGE
+    parser.add_argument("--task", choices=TASKS, default="lm",
+                        help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
+    parser.add_argument("--codec", choices=CODEC_CHOICES, default=DEFAULT_CODEC,
+                        help=f"netgain codec (default {DEFAULT_CODEC} --bits 8 --encoding packed: unbiased, summed by "
+                        "one allreduce, 3.5x fewer bytes than fp32 at 2 workers and within 1%% of its validation loss "
+                        "on the default job; none: fp32, as plain DDP); kimad/kimad+ adapt to the measured bandwidth; "
+                        "ddp, ddp-fp16, ddp-powersgd are PyTorch's own hooks, for comparison")
+    parser.add_argument("--bits", type=int, default=8,
+                        help=f"quantisation bits, {bits.start}..{bits.stop - 1} (qsgd, gqsgd, gqsgd-exp)")
+    parser.add_argument("--encoding", choices=comm.codecs.ENCODINGS, default="packed",
+                        help="gqsgd wire encoding (int8: --bits 8 only)")
+    parser.add_argument("--ratio", type=float, default=0.01, help="fraction of coordinates sent, in (0, 1] (topk, randomk)")
+    parser.add_argument("--warmup-steps", type=int,
+                        help="uncompressed steps before the codec starts (default: 2 for lowrank, as PowerSGD; 0 for the other "
+                        "netgain codecs; ddp-powersgd runs at least 2 whatever this says; on --resume the checkpoint's)")
+    parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
+    parser.add_argument("--rank", type=int, default=4, help="matrix approximation rank, >= 1 (lowrank, ddp-powersgd)")
+    parser.add_argument("--factors", choices=comm.lowrank.FACTORS, default="gqsgd",
+                        help="how lowrank's factors travel: gqsgd (--bits-bit Global-QSGD codes) or fp32 (as PowerSGD)")
+    parser.add_argument("--comm-budget-ms", type=float,
+                        help="kimad: communication time target per step, > 0 (default: the measured backward time)")
+    parser.add_argument("--replan-every", type=int, default=10,
+                        help="kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
+    parser.add_argument("--kimad-lowrank-rank", type=int,
+                        help="kimad: add low rank at this rank >= 1 (8-bit gqsgd factors, error feedback) to the plan's "
+                        "options, in place of top-k (default: no low rank; top-k 0.001, 0.01, 0.1)")
+    parser.add_argument("--steps", type=int, default=300, help="total optimizer steps, counted from 0 also when resuming")
+    parser.add_argument("--batch-size", type=int, help="per worker (default: lm 16 sequences, digits 32 images)")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="AdamW learning rate (constant; on --resume it replaces the checkpoint's)")
+    parser.add_argument("--world-size", type=int,
+                        help=f"local CPU workers to spawn on gloo (default {DEFAULT_WORLD_SIZE}; under --fsdp "
+                        f"--replicas x --shards), at most {LOCAL_WORKERS_PER_CPU} per CPU "
+                        "(under torchrun its WORLD_SIZE applies)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with FSDP2 (fully_shard) inside each replica and send the all-reduce "
+                        "across replicas through the codec (HSDP); codecs: " + ", ".join(comm_fsdp.CODECS))
+    parser.add_argument("--replicas", type=int,
+                        help="--fsdp: model replicas, the mesh's replicate dimension (the hop the codec compresses)")
+    parser.add_argument("--shards", type=int,
+                        help="--fsdp: ranks each replica is sharded over, the mesh's shard dimension")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
+    parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
+    parser.add_argument("--out", help="output folder for record.json and loss.png "
+                        "(default runs/<codec>-<time>, with a suffix if that folder exists)")
+    parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
+                        "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step; "
+                        "with --fsdp a torch.distributed.checkpoint folder")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint (--lr, --batch-size "
+                        "and --data may differ, and are announced; other settings must match)")
+    parser.add_argument("--hidden-size", type=int, default=192, help="lm model width")
+    parser.add_argument("--layers", type=int, default=4, help="lm decoder layers")
+    parser.add_argument("--seq-len", type=int, default=128, help="lm sequence length in bytes")
+    parser.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                        help=f"seconds a rank waits for a silent peer before the run fails (default "
+                        f"{COLLECTIVE_TIMEOUT_S}); a rank without progress says so after "
+                        f"{SILENCE_NOTICE_S} s (or half this timeout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    if _is_rank_zero():
+        config = prepare_outputs(config)
+        for name, (old, new) in resume_changes(config).items():
+            print(f"netgain train: --resume: {flag(name)} {new} replaces the checkpoint's {old}", file=sys.stderr)
+    if launched_by_torchrun():
+        train_worker(int(os.environ["RANK"]), config.world_size, config, "env://")
+        return 0
+    return spawn_workers(config)
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's settings, every one checked here in the parent, before any worker starts."""
+    world_size = resolve_world_size(args)
+    batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
+    checkpoint = read_checkpoint(args.resume) if args.resume else None  # read once for every check below
+    warmup_steps = args.warmup_steps
+    if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
+        saved = checkpoint["config"].get("warmup_steps") if checkpoint else None
+        warmup_steps = comm.default_warmup_steps(args.codec) if saved is None else saved
+    config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
+                         ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
+                         rank=args.rank, factors=args.factors,
+                         comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every,
+                         kimad_lowrank_rank=args.kimad_lowrank_rank, steps=args.steps,
+                         batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
+                         replicas=args.replicas, shards=args.shards, seed=args.seed,
+                         data=args.data, eval_every=args.eval_every, out=args.out, checkpoint=args.checkpoint,
+                         checkpoint_every=args.checkpoint_every, resume=args.resume,
+                         hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
+                         collective_timeout=args.collective_timeout)
+    for name in ("data", "out", "checkpoint", "resume"):  # '' is a typo, never "not given"
+        _require(getattr(args, name) != "", name, "must not be empty (leave the flag out instead)", "''")
+    check_numbers(config)
+    if not launched_by_torchrun():
+        check_local_world_size(config.world_size)
+    check_data(config)
+    if config.fsdp:
+        check_fsdp(config, checkpoint)
+    if config.checkpoint:
+        check_checkpoint_paths(config, checkpoint)
+    if checkpoint:
+        check_resume(config, checkpoint)
+    return config
+
+
+def resolve_world_size(args: argparse.Namespace) -> int:
+    """--world-size, or under --fsdp --replicas x --shards (a --world-size or torchrun WORLD_SIZE must agree)."""
+    launched = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
+    if not args.fsdp:
+        for name in ("replicas", "shards"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{flag(name)} applies with --fsdp only")
+        return launched or (DEFAULT_WORLD_SIZE if args.world_size is None else args.world_size)
+    if args.replicas is None or args.shards is None:
+        raise ValueError("--fsdp needs --replicas R and --shards S (R x S workers, a mesh of R replicas "
+                         "each sharded over S ranks)")
+    for name in ("replicas", "shards"):
+        _require(getattr(args, name) >= 1, name, "must be at least 1", getattr(args, name))
+    mesh = args.replicas * args.shards
+    given = ("torchrun's WORLD_SIZE", launched) if launched else ("--world-size", args.world_size)
+    if given[1] is not None and given[1] != mesh:
+        raise ValueError(f"{given[0]} {given[1]} differs from --replicas {args.replicas} x --shards {args.shards} "
+                         f"= {mesh}: under --fsdp the world size is replicas x shards"
+                         + ("" if launched else " (leave --world-size out)"))
+    return mesh
+
+
+def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
+    """The codecs that run on FSDP's cross-replica hop, and checkpoint folders that are netgain's to replace."""
+    if c.codec not in comm_fsdp.CODECS:
+        raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
+                         "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
+                         "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
+
+
+def check_numbers(c: TrainConfig) -> None:
+    """Ranges of every numeric setting, named as on the command line."""
+    for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every", "hidden_size", "layers"):
+        _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
+    for name in ("warmup_steps", "eval_every"):
+        _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
+    _require(0 <= c.seed < 2**32, "seed", f"must be in 0..{2**32 - 1}", c.seed)
+    _require(math.isfinite(c.lr) and c.lr > 0, "lr", "must be a finite number > 0", c.lr)
+    _require(math.isfinite(c.collective_timeout) and c.collective_timeout > 0, "collective_timeout",
+             "must be a finite number of seconds > 0", c.collective_timeout)
+    _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
+             "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
+    _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
+    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and c.codec in comm.ADAPTIVE_MODES),
+             "kimad_lowrank_rank", "must be at least 1, and only with --codec kimad or kimad+", c.kimad_lowrank_rank)
+    bits = comm.codecs.BITS_RANGE
+    _require(c.bits in bits, "bits", f"must be in {bits.start}..{bits.stop - 1}", c.bits)
+    _require(not (c.codec == "gqsgd" and c.encoding == "int8" and c.bits != 8), "bits",
+             "must be 8 with --encoding int8 (or use --encoding packed)", c.bits)
+    _require(c.checkpoint_every == 0 or (c.checkpoint_every > 0 and c.checkpoint), "checkpoint_every",
+             "must be 0 or more, and more than 0 needs --checkpoint", c.checkpoint_every)
+    if c.task == "lm":
+        models.check_byte_llama(c.hidden_size, c.layers)
+
+
+def check_local_world_size(world_size: int) -> None:
+    """More local workers than this only time-slice the cores: 64 on 2 cores sat silent for minutes."""
+    cpus = os.cpu_count() or 1
+    limit = LOCAL_WORKERS_PER_CPU * cpus
+    if world_size > limit:
+        raise ValueError(f"--world-size {world_size}: at most {limit} local workers on this machine's {cpus} "
+                         f"CPUs ({LOCAL_WORKERS_PER_CPU} per CPU; more spend minutes starting and time-slicing "
+                         "the cores); for more ranks, launch under torchrun on more machines")
+
+
+def check_data(c: TrainConfig) -> None:
+    """--data must exist and hold a sequence per rank and for validation (the stdlib source does)."""
+    if c.data is None:
+        return
+    if c.task != "lm":
+        raise ValueError("--data applies to --task lm only")
+    try:
+        corpus = data.ByteCorpus.from_files(data.text_files(c.data))
+    except OSError as error:
+        raise ValueError(f"--data {c.data}: cannot read {error.filename} ({error.strerror})") from error
+    corpus.require_sequences(c.world_size, c.seq_len, f"--data {c.data}")
+
+
+def prepare_outputs(c: TrainConfig) -> TrainConfig:
+    """Make --out (or a fresh default folder) and check that it and --checkpoint's folder take files."""
+    out = Path(c.out) if c.out else _new_run_folder(c.codec)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot create it ({error.strerror or error})") from error
+    _require_writable(out, "--out")
+    if c.checkpoint:
+        folder = Path(c.checkpoint.replace("{step}", "0")).parent
+        while not folder.exists():
+            folder = folder.parent
+        _require_writable(folder, "--checkpoint")
+    return replace(c, out=str(out))
+
+
+def _new_run_folder(codec: str) -> Path:
+    """runs/<codec>-<time>, with -2, -3... if a run started in the same second already made it."""
+    base = Path("runs") / f"{codec}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("", *(f"-{n}" for n in range(2, 1000))):
+        try:
+            (path := base.with_name(base.name + suffix)).mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"--out: runs/ holds 999 runs named {base.name}; give --out")
+
+
+def _require_writable(folder: Path, flag: str) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{flag}: {folder} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot write to {folder} ({error.strerror or error})") from error
+
+
+def _require(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{flag(name)} {rule}, got {value}")
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0" or not launched_by_torchrun()

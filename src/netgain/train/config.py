@@ -1,0 +1,44 @@
+"""The settings of one `netgain train` run, as the parent checked them and every worker receives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str
+    codec: str
+    bits: int
+    encoding: str
+    ratio: float
+    warmup_steps: int
+    skip_1d: bool
+    rank: int
+    factors: str
+    comm_budget_ms: float | None
+    replan_every: int
+    kimad_lowrank_rank: int | None
+    steps: int
+    batch_size: int
+    lr: float
+    world_size: int
+    fsdp: bool
+    replicas: int | None  # --fsdp only: the mesh's (replicate, shard) sizes, world_size = replicas * shards
+    shards: int | None
+    seed: int
+    data: str | None
+    eval_every: int
+    out: str
+    checkpoint: str | None
+    checkpoint_every: int
+    resume: str | None
+    hidden_size: int
+    layers: int
+    seq_len: int
+    collective_timeout: float
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a TrainConfig field: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")

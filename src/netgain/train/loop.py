@@ -1,0 +1,244 @@
+"""One worker's run: join the process group, train with the codec's hook, validate, checkpoint, report."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import netgain.comm as comm
+import netgain.comm.fsdp as comm_fsdp
+from netgain.comm import fused
+from netgain.train.checkpoints import SHARDED_CHECKPOINT_FILE, read_checkpoint, read_sharded_checkpoint, resume_changes
+from netgain.train.config import TrainConfig
+from netgain.train.report import report
+from netgain.train.tasks import TASK_CLASSES
+
+COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
+BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and bucket: what the link fit reads
+ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "link_comm_s", "plan", "plan_fits",
+                       "climbing")  # per step, kimad only
+SILENCE_NOTICE_S = 30  # a rank that makes no progress this long says so (at most half the collective timeout)
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: str, local: bool = False) -> None:
+    """One data-parallel rank: train, validate, checkpoint; rank 0 reports."""
+    if local:  # Ctrl-C reaches the whole process group: the parent alone handles it and stops the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cuda = torch.cuda.is_available() and not local
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if local:  # local workers split the machine's cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    progress = SilenceNotice(rank, config.collective_timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=config.collective_timeout))  # the hook's own group takes it too
+    trainer = Trainer(config, rank, world_size, device, progress)
+    try:
+        trainer.train()
+    finally:
+        trainer.comm_state.close()  # buckets still queued on the communication thread finish first
+    del trainer
+    gc.collect()  # DDP objects in reference cycles die now, not at exit after their group is gone (SIGABRT)
+    progress.beat("finishing")
+    dist.barrier()  # no rank tears its process group down while a peer still uses it
+    dist.destroy_process_group()
+    progress.close()
+
+
+class SilenceNotice:
+    """Says on stderr when this rank has made no progress for a while: a silent peer, not a silent hang."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
+        self.after_s = min(SILENCE_NOTICE_S, timeout_s / 2)
+        self.mark = ("joining the other workers", time.monotonic())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="netgain-silence-notice", daemon=True)
+        self._thread.start()
+
+    def beat(self, doing: str) -> None:
+        self.mark = (doing, time.monotonic())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        told = None
+        while not self._stop.wait(self.after_s / 4):
+            doing, since = self.mark
+            silent = time.monotonic() - since
+            if silent >= self.after_s and told != (since, int(silent // self.after_s)):
+                told = (since, int(silent // self.after_s))
+                print(f"netgain train: rank {self.rank} has made no progress for {silent:.0f} s while {doing}: "
+                      f"a peer may be stuck or gone, or a codec compiling its kernels (the run fails after --collective-timeout "
+                      f"{self.timeout_s:g} s of waiting)", file=sys.stderr, flush=True)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, device: torch.device,
+                 progress: SilenceNotice):
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.progress = progress
+        progress.beat("building the model and codec")
+        self.task = TASK_CLASSES[config.task](config)
+        torch.manual_seed(config.seed)  # identical initialisation on every rank
+        self.module = self.task.build_model().to(device)  # what evaluation and the report see
+        codec = dict(bits=config.bits, encoding=config.encoding, rank=config.rank, factors=config.factors,
+                     warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed)
+        if config.fsdp:  # FSDP2 inside each replica; the codec on the all-reduce across replicas
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (config.replicas, config.shards),
+                                    mesh_dim_names=(comm_fsdp.REPLICATE, comm_fsdp.SHARD))
+            for block in self.task.blocks(self.module):
+                fully_shard(block, mesh=mesh[comm_fsdp.SHARD])
+            self.model = fully_shard(self.module, mesh=mesh[comm_fsdp.SHARD])
+            self.comm_state = comm_fsdp.register(self.model, mesh, config.codec, **codec)
+        else:
+            self.model = DistributedDataParallel(self.module, device_ids=[device] if device.type == "cuda" else None)
+            if config.codec in comm.baselines.BASELINES:
+                self.comm_state = comm.baselines.register(self.model, config.codec, rank=config.rank,
+                                                          warmup_steps=config.warmup_steps)
+            else:
+                self.comm_state = comm.register(self.model, config.codec, ratio=config.ratio,
+                                                budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
+                                                lowrank_rank=config.kimad_lowrank_rank,
+                                                **codec)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
+
+    def train(self) -> None:
+        c = self.config
+        history: dict[str, list] = {"step": [], "step_s": [], "compiled": [], "time_unix": [], "train_loss": []}
+        validations = [{"step": self.start_step, **self.evaluate()}]
+        samples_per_step = c.batch_size * self.world_size
+        bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
+        for step in bar:
+            self.progress.beat(f"in step {step}")
+            compiled_before = fused.compiled_kernels()
+            start = time.perf_counter()
+            loss = self.task.train_loss(self.model, step, self.rank, self.world_size, self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_s = time.perf_counter() - start
+            history["step"].append(step)
+            history["step_s"].append(step_s)
+            history["compiled"].append(fused.compiled_kernels() > compiled_before)
+            history["time_unix"].append(time.time())
+            history["train_loss"].append(loss.item())
+            adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()
+            for key in COMM_STATISTICS + adaptive:
+                history.setdefault(key, []).append(self.comm_state.last_step.get(key))
+            history.setdefault("buckets", []).append(  # PyTorch's hooks (ddp*) time no bucket: []
+                [{key: record[key] for key in BUCKET_STATISTICS}
+                 for record in self.comm_state.last_step.get("per_bucket", [])])
+            bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{samples_per_step / step_s:.0f}", refresh=False)
+            done = step + 1
+            if c.eval_every and done % c.eval_every == 0 and done < c.steps:
+                validations.append({"step": done, **self.evaluate()})
+            if c.checkpoint and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
+                self.save_checkpoint(c.checkpoint.replace("{step}", str(done)), done)
+        validations.append({"step": c.steps, **self.evaluate()})
+        history["train_loss"] = self.mean_over_ranks(history["train_loss"])
+        if self.rank == 0:
+            resumed = ({"checkpoint": c.resume, "step": self.start_step, "applied": resume_changes(c)}
+                       if c.resume else None)
+            report(c, self.world_size, history, validations, self.device, self.module, resumed)
+
+    def evaluate(self) -> dict:
+        self.progress.beat("validating")
+        self.module.eval()
+        metrics = self.task.evaluate(self.module, self.rank, self.world_size, self.device)
+        self.module.train()
+        return metrics
+
+    def mean_over_ranks(self, values: list[float]) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return (total / self.world_size).tolist()
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective).
+
+        --fsdp: every rank writes its shards into a DCP folder, rank 0 adds SHARDED_CHECKPOINT_FILE.
+        Both write next to `path` first and replace it when complete.
+        """
+        if self.config.fsdp:
+            self.save_sharded_checkpoint(Path(path), step)
+            return
+        comm_states = self.comm_state.state_dict()
+        if self.rank == 0:
+            checkpoint = {"step": step, "world_size": self.world_size, "config": asdict(self.config),
+                          "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                          "comm": comm_states}
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(f"{path}.partial")
+            torch.save(checkpoint, partial)
+            partial.replace(path)
+        dist.barrier()
+
+    def save_sharded_checkpoint(self, path: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        partial, replaced = Path(f"{path}.partial"), Path(f"{path}.replaced")
+        dcp.save(self.sharded_state(), checkpoint_id=partial)  # returns on every rank once .metadata is written
+        if self.rank == 0:
+            plain = {"step": step, "world_size": self.world_size, "config": asdict(self.config)}
+            (partial / SHARDED_CHECKPOINT_FILE).write_text(json.dumps(plain, indent=1))
+            if path.exists():  # check_fsdp made sure it is an earlier netgain checkpoint
+                path.rename(replaced)
+            partial.rename(path)
+            shutil.rmtree(replaced, ignore_errors=True)
+        dist.barrier()
+
+    def sharded_state(self) -> dict:
+        """What DCP saves and loads in place: model and optimizer shards, and the comm state (a Stateful)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "comm": self.comm_state}
+
+    def load_checkpoint(self, path: str) -> int:
+        """build_config has checked the checkpoint against this run; --lr replaces the saved rate."""
+        if self.config.fsdp:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state = self.sharded_state()
+            comm_fsdp.load_checkpoint(state, path)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            step = read_sharded_checkpoint(path)["step"]
+        else:
+            checkpoint = read_checkpoint(path, map_location=self.device)
+            self.module.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.comm_state.load_state_dict(checkpoint["comm"])
+            step = checkpoint["step"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
+        return step
+
+
+def _progress(steps: range, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
