@@ -298,7 +298,8 @@ def train(rank, world_size, codec, steps, warmup=0, resume_from=None, save_at=No
     if resume_from is not None:
         saved = torch.load(io.BytesIO(resume_from), weights_only=True)  # a checkpoint is data, never code
         state.load_state_dict(saved)
-        assert state.chooser.state_dict() == saved["chooser"], "a rank did not take the saved chooser state exactly"
+        taken = state.planner.state_dict() if state.planner is not None else {}
+        assert taken == saved["chooser"], "a rank did not take the saved planner state exactly"
         first = saved["step"]
     out, buffer = [], io.BytesIO()
     for step in range(first, first + steps):

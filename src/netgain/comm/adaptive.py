@@ -67,9 +67,7 @@ LOWRANK_CALIBRATION_SHAPES = [(256, 256)] * 4  # low rank's cost is per matrix s
 
 
 class AdaptivePlanner:
-    """Picks each bucket's codec per step behind the same interface as codecs.FixedChoice."""
-
-    checked = True  # every bucket's choice is compared across ranks in its header
+    """Picks each bucket's codec per step: a codecs.Planner."""
 
     def __init__(self, mode: str = "kimad+", *, time_budget_s: float | None = None, replan_every: int = 10,
                  replan_threshold: float = 0.2, bits: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8),

@@ -125,7 +125,7 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     """
     network.check_world(world_size)
     size = codec.profile_fields(world_size)
-    # the hook's header: one allreduce MAX of (header_entries * P + 3) float32 per bucket of P parameters (hooks._header)
+    # the hook's header: one allreduce MAX of (header_entries * P + 3) float32 per bucket of P parameters (bucket.header)
     header = ({"header_bytes": network.HEADER_FLAG_BYTES,
                "header_bytes_per_tensor": network.HEADER_BYTES_PER_TENSOR * codec.header_entries}
               if codec.needs_header else {})

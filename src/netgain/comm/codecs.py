@@ -19,7 +19,7 @@ import numbers
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,14 @@ class Codec:
     def describe(self) -> str:
         args = ",".join(f"{k}={v}" for k, v in self.params().items())
         return f"{self.name}({args})" if args else self.name
+
+    # a fixed codec is its own Chooser
+    def codec_for(self, index: int, numel: int) -> Codec:
+        return self
+
+    @property
+    def memory_codec(self) -> Codec | None:
+        return self if self.uses_feedback else None
 
 
 class NoCompression(Codec):
@@ -462,35 +470,33 @@ class RandomK(Sparsifier):
             return ctx.feedback.advance(*ctx.sent, ctx.sent[0], aggregated.float() * step, out)
 
 
-class FixedChoice:
-    """The chooser of a fixed codec: every bucket, every step, the same codec (see AdaptivePlanner)."""
+class Chooser(Protocol):
+    """Which codec a bucket uses this step. A Codec is one (the same codec every bucket and step);
+    a Planner picks per bucket and step."""
 
-    checked = False  # nothing to agree on per bucket: ranks compared the whole config before step 0
+    @property
+    def memory_codec(self) -> Codec | None:
+        """The codec whose error-feedback state the store keeps for every bucket (None: stateless)."""
 
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        self.memory_codec = codec if codec.uses_feedback else None  # whose state the store keeps (None: stateless)
+    def codec_for(self, index: int, numel: int) -> Codec: ...
 
-    def attach(self, communicator) -> None:
-        pass
+    def describe(self) -> str: ...
 
-    def codec_for(self, index: int, numel: int) -> Codec:
-        return self.codec
 
-    def wants_errors(self, step: int) -> bool:
-        return False
+@runtime_checkable
+class Planner(Chooser, Protocol):
+    """A chooser that learns from the run (Kimad's AdaptivePlanner). Its choice is checked bucket by bucket
+    across ranks in the header; it sees the link (`attach`), the buckets' errors when it asks for them
+    (`wants_errors`, `observe`) and each step's end; its state goes into the hook's checkpoints."""
 
-    def observe(self, index: int, x: torch.Tensor, ctx: Context, codec: Codec) -> None:
-        pass
+    def attach(self, communicator) -> None: ...
 
-    def end_step(self, communicator, step: int, backward_s: float, codec_s: float) -> dict:
-        return {}
+    def wants_errors(self, step: int) -> bool: ...
 
-    def describe(self) -> str:
-        return self.codec.describe()
+    def observe(self, index: int, x: torch.Tensor, ctx: Context, codec: Codec) -> None: ...
 
-    def state_dict(self) -> dict:
-        return {}
+    def end_step(self, communicator, step: int, backward_s: float, codec_s: float) -> dict: ...
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

@@ -4,8 +4,8 @@
     netgain.comm.register(ddp, CommConfig(TopKConfig(ratio=0.01), warmup_steps=10))
     netgain.comm.register(ddp, "gqsgd", bits=4, warmup_steps=10)   # by name, as the CLI does
 
-Every codec config builds a chooser: the object the pipeline asks which codec a bucket uses this
-step (`FixedChoice` for one codec, `AdaptivePlanner` for Kimad). The whole CommConfig is compared
+Every codec config builds a chooser (codecs.Chooser): what the pipeline asks which codec a bucket
+uses this step; a fixed codec's config builds the codec, Kimad's an AdaptivePlanner. The whole CommConfig is compared
 across ranks before the first bucket is sent.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from .adaptive import MAX_ERROR, AdaptivePlanner
 from .calibrate import codec_profile
-from .codecs import (Cast, Codec, FixedChoice, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK,
+from .codecs import (Cast, Codec, GlobalQSGD, GlobalQSGDExp, NoCompression, QSGD, RandomK, TopK,
                      check_integer)
 from .lowrank import LowRank
 from ..cost import network
@@ -37,7 +37,7 @@ class _FixedConfig:
         self.build()
 
     def build(self):
-        return FixedChoice(self.codec(**dataclasses.asdict(self)))
+        return self.codec(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class CastConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(CAST_DTYPES)}")
 
     def build(self):
-        return FixedChoice(Cast(self.dtype, CAST_DTYPES[self.dtype]))
+        return Cast(self.dtype, CAST_DTYPES[self.dtype])
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def make_codec(name: str, **params) -> Codec:
     a codec per bucket and build none)."""
     if name not in FIXED_CODEC_NAMES and name in CODEC_CONFIGS:
         raise ValueError(f"{name!r} plans a codec per bucket; make_codec builds one of {', '.join(FIXED_CODEC_NAMES)}")
-    return codec_config(name, **params).build().codec
+    return codec_config(name, **params).build()
 
 
 # every fixed codec at the settings a user would try first: what `netgain model` weighs and benchmarks time

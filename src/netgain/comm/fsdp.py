@@ -14,7 +14,7 @@ parameter group's reduce-scatter output to this module, which all-reduces it acr
 mesh's "replicate" dimension through the codec, in place, before FSDP views it as the sharded
 gradients. This is the pattern torchft uses.
 
-The group's flat output is one bucket of the DDP pipeline (hooks.CommState): the same header
+The group's flat output is one bucket of the DDP pipeline (bucket.py): the same header
 (global per-parameter scales, the non-finite flag and the plan signature in one allreduce MAX),
 codecs, errors raised on every rank and per-step statistics. The hook runs synchronously inside
 FSDP's post-backward: FSDP reads the gradients right after it returns.

@@ -1,0 +1,305 @@
+"""One bucket's way through the hook, and the pipeline that runs a step's buckets in order.
+
+`send` is the algorithm, for one bucket: header (an allreduce MAX of each parameter's max |g|, a
+non-finite flag and the plan's signature) -> encode (one fused pass) -> collective, launched
+asynchronously -> decode straight into the bucket's buffer when the collective completes (`.then`).
+A multi-round codec (low rank: P, then Q from P's mean) waits for each earlier round before the next.
+
+`Pipeline` runs `send` for each bucket of a step on one communication thread, in bucket order, and
+moves on at once: encoding bucket k+1 overlaps bucket k on the wire, and one thread issuing every
+collective on the hook's own process group keeps their order identical on every rank. A fixed codec
+with no header (none, fp16, bf16, qsgd) waits for nothing before its one collective, so it is
+launched from DDP's own thread, as PyTorch's hooks do. On CUDA the work runs on a side stream that
+waits on an event of the backward's stream, never synchronising it.
+
+Errors: the header makes every rank see the same verdict, so NaN/Inf or a plan mismatch raises on
+every rank. After a bucket fails, the step's later buckets send nothing, so no collective is left to
+meet a peer out of order. The hook of the step's last bucket waits for every bucket's verdict and
+raises the error itself, so it reaches the caller's `except NonFiniteGradientError` as that class
+(an error set on a DDP future arrives as a plain RuntimeError).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from . import fused
+from .codecs import Context, NoCompression
+from .collectives import Communicator
+from .store import BucketLayout
+
+if TYPE_CHECKING:
+    from .hooks import CommState
+
+UNCOMPRESSED = NoCompression()
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A bucket held NaN or Inf on at least one rank; raised on every rank."""
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks asked for different codecs or hook settings (for a bucket, or for the whole run); raised on every rank."""
+
+
+class _NotSent(RuntimeError):
+    """A later bucket of a step in which an earlier one failed: it issued no collective."""
+
+
+@dataclass(eq=False)
+class BucketJob:
+    """One bucket of one step, from DDP's call to its decoded mean."""
+    index: int
+    buffer: torch.Tensor                  # the gradients, flat; the mean is decoded into it
+    layout: BucketLayout
+    result: torch.futures.Future          # what DDP waits on: the averaged bucket
+    step_jobs: list[BucketJob] = field(default_factory=list)  # this step's buckets so far, this one included
+    last: bool = False                    # DDP's last bucket of the step
+    ready: object = None                  # CUDA: an event of the backward's stream, recorded when the bucket was
+    record: dict | None = None            # statistics: codec, bytes, seconds, trace points
+    out: torch.Tensor | None = None       # the decoded mean
+    verdict: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # checks passed, or the error
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)     # decoded, or failed
+
+    def fail(self, error: Exception) -> None:
+        """Its result and verdict carry the error, and only then is it done (others wait on that)."""
+        if not self.result.done():
+            self.result.set_exception(error)
+        if not self.verdict.done():
+            self.verdict.set_exception(error)
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def send(state: CommState, job: BucketJob, communicator: Communicator, stream=None) -> None:
+    """Header -> encode -> collective(s) -> decode of one bucket; the decode runs when the last collective completes."""
+    x, layout, planner = job.buffer, job.layout, state.planner
+    n, index = communicator.world_size, job.index
+    codec = state.codec_for(index, x.numel())
+    record = job.record = {"index": index, "numel": x.numel(), "codec": codec.describe(), "wire_bytes": 0,
+                           "raw_bytes": x.numel() * x.element_size(), "comm_s": 0.0}
+    segments = layout.segments
+    ctx = Context(n, segments, fused.step_keys(segments.keys, state.config.seed, state.step, communicator.rank),
+                  fused.step_keys(segments.keys, state.config.seed, state.step, -1), tables=layout.tables, layout=layout)
+    uncompressed = isinstance(codec, NoCompression)
+    # Error-feedback state (EF21, low rank's residual): touched by the codecs that keep it; a planner's
+    # other options (none, gqsgd) restart it from their local gradient and decoded mean
+    memory_codec = state.chooser.memory_codec
+    if memory_codec is not None:
+        ctx.feedback = state.store.feedback_for(layout, x.device, memory_codec)
+    # the memory restarts from this step's gradient, before the header scales it (low rank's residual joins it)
+    restart = memory_codec is not None and not codec.uses_feedback
+    local_grad = ctx.feedback.restart(x, ctx) if restart else None
+    checked = codec.needs_header or planner is not None or (state.config.nonfinite == "uncompressed" and not uncompressed)
+    if checked:
+        scales, nonfinite = header(state, communicator, index, codec, x, ctx, record)
+        if nonfinite:
+            nonfinite_error(state.config.nonfinite, index, layout, scales, codec.scale_params(ctx))  # raises, or goes on
+            codec, uncompressed, record["codec"] = UNCOMPRESSED, True, "none (non-finite)"
+            if memory_codec is not None and not restart:
+                restart, local_grad = True, ctx.feedback.restart(x, ctx)
+        ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        job.verdict.set_result(None)
+    if planner is not None and planner.wants_errors(state.step) and codec is not UNCOMPRESSED:
+        planner.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
+    exact = None
+    if layout.exact_index is not None and not uncompressed:
+        exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
+    record["t_encode"] = time.perf_counter()  # trace points: encode start, payload launched / done
+    with torch.profiler.record_function(f"netgain.encode bucket {index}"):
+        payload = codec.encode(x, ctx)
+    record["t_launch"] = time.perf_counter()
+    sent = communicator.start(codec.collective, payload, record, combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
+    for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
+        aggregated = sent.wait()
+        if not checked and not bool(aggregated.sum().isfinite()):
+            # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
+            # before the codec writes its state (low rank's residual and warm start)
+            nonfinite_error("raise", index, layout, None)
+        payload, op = codec.relay(aggregated, ctx)
+        sent = communicator.start("allreduce", payload, record, op=op)
+    pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
+    threads = torch.get_num_threads()
+
+    def decode(_):
+        try:
+            record["t_done"] = time.perf_counter()
+            if torch.get_num_threads() != threads:  # the collective's callback thread
+                torch.set_num_threads(threads)
+            with on_stream(stream, None), torch.profiler.record_function(f"netgain.decode bucket {index}"):
+                out = codec.decode(sent.value(), x, ctx)
+                if exact is not None:
+                    out[layout.exact_index] = exact.value()
+                if not checked and not bool(out.sum().isfinite()):
+                    # NaN/Inf reach every rank through the float SUM, so every rank raises here. The bucket's
+                    # sum is non-finite whenever an element is (also if finite values sum past the float
+                    # range), and needs no bucket-sized bool tensor
+                    nonfinite_error("raise", index, layout, None, wire=sent.value().dtype)
+                if restart:
+                    ctx.feedback.sync(local_grad, out)
+            record.update(ctx.seconds)
+            if not job.verdict.done():
+                job.verdict.set_result(None)
+            job.out = out
+            job.done.set_result(None)
+        except Exception as error:
+            job.fail(error)
+
+    pending.then(decode)
+
+
+def header(state: CommState, communicator: Communicator, index, codec, x, ctx, record) -> tuple[torch.Tensor, bool]:
+    """One allreduce MAX of [max |g| per parameter (+inf where non-finite), flag, signature, -signature]."""
+    with ctx.timed("encode_s"):  # codec work (max |g|; low rank's P), as time_codec counts it
+        maxes = codec.local_scales(x, ctx)
+    finite = torch.isfinite(maxes)
+    signature = float(zlib.crc32(f"{index}:{state.step}:{codec.describe()}".encode()) % (1 << 24))
+    flags = torch.stack([(~finite).any().float(), torch.tensor(signature, device=x.device),
+                         torch.tensor(-signature, device=x.device)])
+    joined = torch.cat([torch.where(finite, maxes, torch.full_like(maxes, float("inf"))), flags])
+    communicator.allreduce(joined, dist.ReduceOp.MAX, record)
+    nonfinite, high, low = joined[-3:].tolist()  # the step's one host read per bucket
+    if high != -low:  # max(signature) != min(signature)
+        raise PlanMismatchError(f"bucket {index}: ranks chose different codecs at step {state.step} "
+                                f"(this rank: {codec.describe()})")
+    return joined[:-3], nonfinite > 0
+
+
+def nonfinite_error(policy: str, index: int, layout: BucketLayout, scales, owners=None, wire=None) -> None:
+    """Raise NonFiniteGradientError naming the parameters, unless ``policy`` sends such buckets uncompressed.
+    scales: the header's (None: every parameter is named); owners: the parameter of each header scale
+    (`Codec.scale_params`; None: one scale per parameter); wire: the dtype summed, where the check ran on
+    the sum (an fp16 cast overflows finite gradients)."""
+    if policy != "raise":
+        return
+    if scales is not None:
+        bad = torch.isinf(scales).nonzero().flatten()
+        names = [layout.names[i] for i in dict.fromkeys((bad if owners is None else owners[bad]).tolist())]
+    else:
+        names = layout.names
+    shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+    overflow = (", or finite gradients whose mean overflowed fp16 (largest 65504) on the wire: use bf16 or gqsgd"
+                if wire == torch.float16 else "")
+    raise NonFiniteGradientError(
+        f"bucket {index} holds NaN/Inf gradients on at least one rank{overflow} (parameters: {shown}); "
+        "pass nonfinite='uncompressed' to send such buckets uncompressed")
+
+
+class Pipeline:
+    """Runs each step's buckets through `send` in bucket order, on one thread or from DDP's (inline).
+
+    Made at the first bucket; `state.close_step` gets each step's jobs once they are all done."""
+
+    def __init__(self, state: CommState, side_stream: bool = True):
+        self.state = state
+        self.communicator = Communicator(state.process_group)
+        if state.planner is not None:
+            state.planner.attach(self.communicator)
+        codec = state.chooser
+        # A fixed codec without a header issues one collective per bucket and waits for nothing before it:
+        # DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
+        self.inline = (state.planner is None and not codec.needs_header and not codec.relays
+                       and state.config.nonfinite == "raise")
+        # the thread that runs codecs keeps the caller's intra-op thread count: OpenMP's is per thread, and a
+        # new thread's default (every core) oversubscribes what the user set and makes matmuls run-dependent
+        threads = torch.get_num_threads()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-comm",
+                                           initializer=torch.set_num_threads, initargs=(threads,))
+        self.stream = None
+        if side_stream and torch.cuda.is_available() and torch.cuda.is_initialized() and not self.inline:
+            self.stream = torch.cuda.Stream()
+        self.failure: str | None = None  # why a bucket of this step failed; later buckets skip
+
+    def submit(self, job: BucketJob) -> None:
+        """From DDP's thread: start the bucket; the last bucket's call raises the step's first error."""
+        if job.buffer.is_cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        if self.inline:  # no header to wait for: launch from here, as PyTorch's own hooks do
+            self._run(job)
+        else:
+            self.executor.submit(self._run, job)
+        if job.last:
+            _raise_verdicts(job.step_jobs)
+
+    def _run(self, job: BucketJob) -> None:
+        try:
+            if self.failure is not None:
+                raise _NotSent(f"bucket {job.index} not sent: {self.failure}")
+            with on_stream(self.stream, job.ready):
+                send(self.state, job, self.communicator, self.stream)
+        except Exception as error:
+            # Header errors are seen by every rank at the same bucket, so every rank stops issuing
+            # collectives here: none is left queued to meet a barrier or a new step out of order.
+            self._failed(job, error)
+        if job.last:
+            jobs = job.step_jobs
+            concurrent.futures.wait([j.done for j in jobs])
+            self.end_step(jobs)
+            with on_stream(self.stream, None):  # DDP sees the step's results once its statistics are in
+                for j in jobs:
+                    if not j.result.done():
+                        j.result.set_result(j.out)
+
+    def run_now(self, job: BucketJob) -> None:
+        """On the caller's thread and stream, to the decoded mean (netgain.comm.fsdp: the caller reads it next)."""
+        try:
+            send(self.state, job, self.communicator)
+            job.done.result()
+            error = job.verdict.exception()
+            if error is not None:
+                raise error
+        except Exception as error:
+            self._failed(job, error)
+            raise
+
+    def end_step(self, jobs: list[BucketJob]) -> None:
+        """The step's statistics; the planner's end of step unless a bucket failed."""
+        failed, self.failure = self.failure, None
+        self.state.close_step(jobs, time.perf_counter(), self.communicator if failed is None else None)
+
+    def _failed(self, job: BucketJob, error: Exception) -> None:
+        if self.failure is None:
+            self.failure = f"bucket {job.index} failed ({type(error).__name__})"
+        job.fail(error)
+
+    def drain(self) -> None:
+        """Wait for what the communication thread holds."""
+        self.executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def _raise_verdicts(jobs: list[BucketJob]) -> None:
+    """Wait for every bucket of the step to pass its checks; raise the first error as its own class."""
+    for job in jobs:
+        error = job.verdict.exception()
+        if error is not None and not isinstance(error, _NotSent):
+            raise error
+
+
+class on_stream:
+    """Run on the hook's CUDA side stream (after the backward's event), or do nothing on CPU."""
+
+    def __init__(self, stream, ready):
+        self.stream, self.ready = stream, ready
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.context = torch.cuda.stream(self.stream)
+            self.context.__enter__()
+            if self.ready is not None:
+                self.stream.wait_event(self.ready)
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.context.__exit__(*exc)
