@@ -87,7 +87,6 @@ def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from netgain.comm import fused
     from netgain.comm.calibrate import bucket_layout
     from netgain.comm.codecs import Context
 
@@ -95,8 +94,7 @@ def step_ops(codec, buckets: list[list[tuple[int, ...]]], n: int) -> list[dict]:
     for shapes in buckets:
         layout, memory = bucket_layout(codec, shapes)
         segments = layout.segments
-        ctx = Context(n, segments, fused.step_keys(segments.keys, 0, 0, 0), fused.step_keys(segments.keys, 0, 0, -1),
-                      tables=layout.tables, feedback=memory, layout=layout)
+        ctx = Context.for_step(n, segments, 0, 0, 0, tables=layout.tables, feedback=memory, layout=layout)
         x = torch.randn(segments.numel)
         if codec.needs_header:
             scales = codec.local_scales(x, ctx)

@@ -41,8 +41,7 @@ def round_trip(name, params, world_size=3, sizes=SIZES):
     codec = comm.make_codec(name, **params)
     s = segments(sizes=sizes)
     x = bucket(sizes=sizes)
-    ctx = Context(world_size, s, fused.step_keys(s.keys, 1, 5, 0), fused.step_keys(s.keys, 1, 5, -1),
-                  feedback=EF21(x.numel()) if codec.uses_feedback else None)
+    ctx = Context.for_step(world_size, s, 1, 5, 0, feedback=EF21(x.numel()) if codec.uses_feedback else None)
     ctx.scales = codec.local_scales(x, ctx)
     payload = codec.encode(x.clone(), ctx).clone()
     if codec.collective == "allreduce":

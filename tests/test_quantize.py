@@ -21,8 +21,7 @@ def worker_payloads(codec, world_size, numel, kind, seed):
             x = torch.rand(numel, generator=g) * 2 - 1
         else:
             x = torch.full((numel,), 1.0 if kind == "max" else -1.0)
-        ctx = Context(world_size, s, fused.step_keys(s.keys, seed, 0, rank), fused.step_keys(s.keys, seed, 0, -1),
-                      scales=scale)
+        ctx = Context.for_step(world_size, s, seed, 0, rank, scales=scale)
         payloads.append(codec.encode(x, ctx))
         levels = codec.levels(world_size)
         codes.append(fused.round_int8(x, s, levels / scale, ctx.noise_keys, levels,

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import fused
 from .codecs import Context, NoCompression
 from .collectives import Communicator
 from .store import BucketLayout
@@ -87,8 +86,8 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     record = job.record = {"index": index, "numel": x.numel(), "codec": codec.describe(), "wire_bytes": 0,
                            "raw_bytes": x.numel() * x.element_size(), "comm_s": 0.0}
     segments = layout.segments
-    ctx = Context(n, segments, fused.step_keys(segments.keys, state.config.seed, state.step, communicator.rank),
-                  fused.step_keys(segments.keys, state.config.seed, state.step, -1), tables=layout.tables, layout=layout)
+    ctx = Context.for_step(n, segments, state.config.seed, state.step, communicator.rank, tables=layout.tables,
+                           layout=layout)
     uncompressed = isinstance(codec, NoCompression)
     # Error-feedback state (EF21, low rank's residual): touched by the codecs that keep it; a planner's
     # other options (none, gqsgd) restart it from their local gradient and decoded mean

@@ -42,9 +42,8 @@ def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed
     cuda = x.is_cuda
     encode_s, decode_s = [], []
     for trial in range(repeats + 1):
-        ctx = Context(world_size, segments, fused.step_keys(segments.keys, seed, trial, 0),
-                      fused.step_keys(segments.keys, seed, trial, -1), tables=layout.tables,
-                      feedback=memory, synchronize=cuda, layout=layout)
+        ctx = Context.for_step(world_size, segments, seed, trial, 0, tables=layout.tables, feedback=memory,
+                               synchronize=cuda, layout=layout)
         bucket = x.clone()
         if cuda:
             torch.cuda.synchronize()

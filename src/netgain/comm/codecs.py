@@ -68,6 +68,12 @@ class Context:
     seconds: dict = field(default_factory=lambda: {"encode_s": 0.0, "decode_s": 0.0})
     synchronize: bool = False            # wait for the device before reading the clock (benchmarks only)
 
+    @classmethod
+    def for_step(cls, world_size: int, segments: Segments, seed: int, step: int, rank: int, **fields) -> Context:
+        """The context of one bucket at ``step`` on ``rank``: its noise keys are this rank's, its shared keys every rank's."""
+        return cls(world_size, segments, fused.step_keys(segments.keys, seed, step, rank),
+                   fused.step_keys(segments.keys, seed, step, -1), **fields)
+
     @contextmanager
     def timed(self, key: str):
         start = time.perf_counter()
