@@ -2,13 +2,15 @@
 
 import argparse
 import json
+import math
+import statistics
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from netgain.align import cli, load
+from netgain.align import cli, evaluate, load
 from netgain.align.lowrank import LowRankLinear
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
@@ -103,10 +105,23 @@ def test_align_cli_with_kernels_measured_here(tmp_path):
 
 
 def test_align_cli_checks_gac_on_held_out_calibration_text(tmp_path):
+    """The report's GAC / round-down ratio, recomputed from the two saved models on the calibration text
+    after the calibration's own sequences: the check ran on that text, and on the model that was saved."""
     report = run_align(tmp_path, "--check-seqs", "2")
-    assert report["check"] is not None
-    assert report["check"]["same_as_round_down"] or report["check"]["kept"] == (report["check"]["ratio"] < 1)
-    assert "GAC" in report["summary"]
+    (tmp_path / "round-down").mkdir()
+    round_down = run_align(tmp_path / "round-down", "--check-seqs", "2", "--save", "round-down", "--variants", "round-down")
+    check = report["check"]
+    # on this tiny model GAC's sizes differ from round-down's and beat them (by 0.05%), so the saved gac is GAC's own
+    assert not check["same_as_round_down"] and check["kept"]
+    assert report["sizes"]["gac"] != round_down["sizes"]["round-down"] == report["sizes"]["round-down"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    held_out = evaluate.token_chunks(tokenizer, TEXT, 32, 2 + 2)[2:]  # --calib-len 32; after --calib-seqs 2
+    gac_losses = evaluate.chunk_losses(load(tmp_path / "out"), held_out)
+    round_down_losses = evaluate.chunk_losses(load(tmp_path / "round-down" / "out"), held_out)
+    ratio = math.exp(statistics.mean(gac_losses) - statistics.mean(round_down_losses))
+    assert ratio == pytest.approx(check["ratio"], rel=1e-5)
+    assert check["low"] <= ratio <= check["high"] and ratio < 1
+    assert f"{check['ratio']:.4f}" in report["summary"] and "GAC kept" in report["summary"]
 
 
 def test_negative_check_seqs_is_refused_before_loading(tmp_path):
