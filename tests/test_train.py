@@ -63,7 +63,7 @@ def test_summary_leaves_out_steps_that_compiled_a_kernel():
     history = {"step": [0, 1, 2, 3], "step_s": [1.0, 30.0, 0.1, 0.1], "compiled": [False, True, False, False],
                "wait_s": [0.0, 25.0, 0.02, 0.02], "wire_bytes": [4000, 1000, 1000, 1000],
                "raw_bytes": [4000] * 4, "buckets": [buckets] * 4, "train_loss": [2.0] * 4}
-    config = build_config(cli.build_parser().parse_args(["train", "--task", "digits", "--steps", "4"]))
+    config = build_config(cli.build_parser("train").parse_args(["train", "--task", "digits", "--steps", "4"]))
     result = summarize(config, 2, history, [{"step": 4, "val_loss": 1.0}], torch.nn.Linear(2, 2))
     assert result["step_s"] == pytest.approx(0.1) and result["comm_wait_s"] == pytest.approx(0.02)
     assert result["wire_bytes_per_step"] == 1000

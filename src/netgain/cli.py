@@ -15,12 +15,26 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help says it already or there is none to say
+    (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        nothing = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if nothing or action.help is None or "default" in action.help:
+            return action.help
+        return action.help + " (default: %(default)s)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand, with its options only for `command`: building a subcommand's options imports its
+    module (and torch), which `netgain --help` does not need."""
     parser = argparse.ArgumentParser(prog="netgain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).configure(p)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
+        if name == command:
+            importlib.import_module(module).configure(p)
         p.set_defaults(_module=module)
     # netgain.cost knows no codecs: `netgain model` gets their profiles from netgain.comm, as data
     sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles)
@@ -34,7 +48,9 @@ def _candidate_profiles(world_size, cost, shapes=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # the subcommand is the first argument that is no option: `netgain` itself takes none with a value
+    parser = build_parser(next((arg for arg in argv if not arg.startswith("-")), None))
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(args._module).run(args) or 0

@@ -29,15 +29,15 @@ def configure(parser) -> None:
     parser.add_argument("--eval", default=None, help="held-out text for perplexity (default: the rest of the Python docs)")
     parser.add_argument("--out", required=True, help="directory for the saved model and the report (not inside --model)")
     parser.add_argument("--save", default="gac", choices=VARIANTS[1:], help="which variant to save")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns "
                         "(comma-separated; an empty string: none)")
     parser.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (SVD-LLM wants more tokens than the widest Linear input)")
-    parser.add_argument("--calib-len", type=int, default=256)
+    parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
     parser.add_argument("--check-seqs", type=int, default=8,
                         help="sequences of the calibration text after the calibration's own, on which GAC's sizes must beat "
                              "round-down's to be kept (0: no check; else at least 2)")
-    parser.add_argument("--eval-chunks", type=int, default=4)
+    parser.add_argument("--eval-chunks", type=int, default=4, help="held-out chunks of --seq tokens for perplexity")
     parser.add_argument("--seq", type=int, default=512, help="prefill tokens for latency and for GAC's cost model")
     parser.add_argument("--alpha", type=float, default=0.5, help="asvd: activation exponent")
     parser.add_argument("--jitter", type=float, default=1e-6, help="svdllm: diagonal jitter (x mean diagonal) where the covariance is not positive definite")
@@ -51,7 +51,8 @@ def configure(parser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
     parser.add_argument("--cache", default=None, help="kernel timing table for --cost measured (default: ~/.cache/netgain/...)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, >= 1 (default: torch's choice)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype the model is loaded, compressed and timed in")
 
 
 def _parse_list(text: str, allowed, what: str) -> list[str]:

@@ -50,11 +50,11 @@ def configure(parser) -> None:
     parser.add_argument("--step", type=int, default=8, help="rank sweep step")
     parser.add_argument("--min-ratio", type=float, default=0.6, help="smallest factorised size / dense size")
     parser.add_argument("--max-ratio", type=float, default=1.0, help="largest factorised size / dense size")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype the shapes are timed in")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when torch sees one, else cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per shape (interleaved)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per shape before the timed ones")
     parser.add_argument("--cache", default=None, help=f"JSON table path (default: {DEFAULT_CACHE_DIR}/kernels-<device>-<dtype>.json)")
 
 

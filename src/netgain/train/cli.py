@@ -72,7 +72,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="--fsdp: model replicas, the mesh's replicate dimension (the hop the codec compresses)")
     parser.add_argument("--shards", type=int,
                         help="--fsdp: ranks each replica is sharded over, the mesh's shard dimension")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the initialisation, every batch (with the step and rank) and the codecs' noise")
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
     parser.add_argument("--out", help="output folder for record.json and loss.png "
