@@ -56,7 +56,12 @@ def test_align_cli_reports_all_variants_and_saves_gac(tmp_path):
     # round-down keeps the budget except where a rank below 8 goes up to 8 (tiny layers here)
     assert rows["round-down"]["unit_params"] <= report["budget"] or min(report["sizes"]["raw"].values()) < 8
     assert set(rows["gac"]["predicted"]) == {"a100", "h100"}
-    assert "| gac |" in (tmp_path / "out" / "report.md").read_text()
+    quality, latency = (tmp_path / "out" / "report.md").read_text().split("\n\nQuality")[1].split("\nLatency")
+    for table, columns in ((quality, 6), (latency, 4 + 2)):  # a readable width: the latency table's + a100, h100
+        lines = [line for line in table.splitlines() if line.startswith("|")]
+        assert [line.split(" | ")[0] for line in lines[2:]] == [f"| {v}" for v in rows]
+        assert all(line.count("|") == columns + 1 for line in lines)
+    assert "| perplexity | vs dense |" in quality and "| measured prefill ms (vs dense) |" in latency
     model = load(tmp_path / "out")
     ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
     assert ranks and all(r % 8 == 0 for r in ranks.values())

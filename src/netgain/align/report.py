@@ -1,4 +1,5 @@
-"""One row per model variant (dense, raw compressor, naive rounding, GAC) and the table that compares them."""
+"""One row per model variant (dense, raw compressor, naive rounding, GAC), and two tables that compare
+them, one per question: quality (parameters, perplexity) and latency (alignment, measured, predicted)."""
 
 from __future__ import annotations
 
@@ -74,23 +75,29 @@ def compare(
 
 
 def markdown(rows: Sequence[Row], budget: int, preferred_multiple: int, baseline: str = "dense") -> str:
-    """The comparison table; latency ratios are relative to the `baseline` row measured in the same run."""
+    """Two tables, one per question: how good is each variant (quality), and how fast (latency).
+    Ratios are to the `baseline` row (else the first) measured in the same run."""
     base = next((r for r in rows if r.variant == baseline), rows[0])
-    cost_names = list(rows[0].predicted)
-    header = (
-        f"| variant | unit params | / budget | model params | aligned %8 | aligned %{preferred_multiple} | perplexity "
-        "| measured prefill ms | vs dense | measured decode ms | "
-        + " | ".join(f"predicted prefill ms ({c}) | predicted decode ms ({c})" for c in cost_names)
-        + " |"
+    quality = table(
+        ["variant", "unit params", "/ budget", "model params", "perplexity", f"vs {base.variant}"],
+        [[r.variant, f"{r.unit_params:,}", f"{r.unit_params / budget:.4f}", f"{r.model_params:,}", f"{r.perplexity:.3f}",
+          f"{r.perplexity / base.perplexity:.3f}"] for r in rows],
     )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in rows:
-        predicted = " | ".join(
-            f"{r.predicted[c]['prefill_s'] * 1e3:.3f} | {r.predicted[c]['decode_s'] * 1e3:.3f}" for c in cost_names
-        )
-        lines.append(
-            f"| {r.variant} | {r.unit_params:,} | {r.unit_params / budget:.4f} | {r.model_params:,} | {100 * r.aligned_8:.0f}% "
-            f"| {100 * r.aligned_preferred:.0f}% | {r.perplexity:.3f} | {r.measured_prefill_s * 1e3:.1f} "
-            f"| {r.measured_prefill_s / base.measured_prefill_s:.3f} | {r.measured_decode_s * 1e3:.2f} | {predicted} |"
-        )
+    costs = list(rows[0].predicted)
+    latency = table(
+        ["variant", f"aligned %8 / %{preferred_multiple}", f"measured prefill ms (vs {base.variant})",
+         f"measured decode ms (vs {base.variant})"] + [f"predicted prefill / decode ms ({c})" for c in costs],
+        [[r.variant, f"{100 * r.aligned_8:.0f}% / {100 * r.aligned_preferred:.0f}%",
+          f"{r.measured_prefill_s * 1e3:.1f} ({r.measured_prefill_s / base.measured_prefill_s:.3f})",
+          f"{r.measured_decode_s * 1e3:.2f} ({r.measured_decode_s / base.measured_decode_s:.3f})"]
+         + [f"{r.predicted[c]['prefill_s'] * 1e3:.3f} / {r.predicted[c]['decode_s'] * 1e3:.3f}" for c in costs]
+         for r in rows],
+    )
+    return f"Quality (perplexity on the held-out text):\n\n{quality}\nLatency (batch 1):\n\n{latency}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
