@@ -190,3 +190,9 @@ def test_every_bench_script_imports_and_answers_help():
     # the scripts a user runs all take options; only the helpers (and plan_bench, which takes none) are imported
     assert {name for name, outcome in report.items() if outcome == "imported"} == {
         "gac_models.py", "plan_bench.py", "provenance.py", "runs.py"}
+
+
+def test_bench_readme_lists_every_script():
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    readme = (bench / "README.md").read_text()
+    assert [p.name for p in sorted(bench.glob("*.[ps][yh]")) if f"`{p.name}`" not in readme] == []
