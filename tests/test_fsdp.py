@@ -270,31 +270,3 @@ def test_load_checkpoint_reads_data_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="names pathlib.Path.touch, which is not DCP metadata"):
         fsdp.load_checkpoint({"w": torch.zeros(4)}, good)
     assert not marker.exists()
-
-
-def _readme_lines(rank, world, lines):
-    """The README's five lines, as written (with "cpu" for "cuda"), on a model with .layers; one step."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Linear(128, 128))
-    model.layers = list(model)
-    scope = {"init_device_mesh": init_device_mesh, "fully_shard": fully_shard, "model": model,
-             "nodes": REPLICAS, "gpus_per_node": SHARDS}
-    exec(lines.replace('"cuda"', '"cpu"'), scope)
-    model(_batch(rank)[0]).square().mean().backward()
-    last = scope["state"].last_step
-    return last["buckets"], [r["codec"] for r in last["per_bucket"]]
-
-
-def test_the_readme_five_lines_run():
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## FSDP2 (HSDP)")[1]
-    lines = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert len(lines.strip().splitlines()) == 5
-    results = run(_readme_lines, REPLICAS * SHARDS, lines, timeout=120)
-    assert results == [("ok", (2, ["gqsgd(bits=8,encoding=packed)"] * 2))] * 4, results

@@ -20,7 +20,7 @@ factor is a run of its own: one Global-QSGD scale per column. Columns differ in 
 singular values, and P's are each scaled to unit length by the orthonormalisation, so one scale
 per matrix would drown the small columns in rounding noise (relative error of P Q^T 2.4x larger
 in a synthetic 768 x 192, r = 4, 3-worker power iteration, 6.9x at 1024 x 1024, r = 8, 4 workers:
-bench/lowrank_columns.py; steps to target: bench/results/lowrank_columns.md). Q's scales need their
+bench/results/lowrank_columns_synthetic.md; steps to target: bench/results/lowrank_columns.md). Q's scales need their
 own MAX round: bounding them in the header instead (|Q_i[j, c]| <= ||M_i[:, j]||, as P's columns have
 unit length), one collective fewer, cost 6-19% more steps to target in 3 of 3 seeds
 (bench/results/lowrank_q_bound.md).
