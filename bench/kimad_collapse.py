@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 
 import netgain.comm as comm  # noqa: E402
 from netgain import data  # noqa: E402
-from netgain.train import free_port  # noqa: E402
+from netgain.train.launch import free_port  # noqa: E402
 from lab import Lab  # noqa: E402
 from provenance import git_commit, write_csv  # noqa: E402
 from runs import train_command, train_on_lab  # noqa: E402

@@ -14,6 +14,5 @@ checked), report (rank 0's summary, record and plots).
 """
 
 from netgain.train.cli import configure, run
-from netgain.train.launch import free_port  # bench/ scripts start their own gloo groups on it
 
-__all__ = ["configure", "run", "free_port"]
+__all__ = ["configure", "run"]
