@@ -41,8 +41,8 @@ class LowRankLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
         super().__init__()
-        if not 1 <= rank:
-            raise ValueError(f"rank must be >= 1, got {rank}")
+        if type(rank) is not int or not 1 <= rank <= min(in_features, out_features):
+            raise ValueError(f"rank must be an integer in [1, {min(in_features, out_features)}], got {rank!r}")
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.down = nn.Linear(in_features, rank, bias=False)
         self.up = nn.Linear(rank, out_features, bias=bias)
