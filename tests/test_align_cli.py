@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from netgain.align import cli, evaluate, load
 from netgain.align.lowrank import LowRankLinear
+from netgain.align.prune import PrunedLinear
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
 
@@ -165,3 +166,25 @@ def test_bad_paths_are_named_before_compressing(tmp_path):
         with pytest.raises((SystemExit, ValueError), match=message):
             cli.run(parse("--model", model, "--cost", "a100", "--calib", str(tmp_path / "file"), *argv))
     assert (tmp_path / "file").read_text() == "a user's file" and not (tmp_path / "out").exists()
+
+
+def test_a_pruned_output_is_compressed_again_from_its_real_layers_and_counted_as_it_is(tmp_path):
+    """`netgain align --model <pruned output>` factorises its pruned Linears; `netgain model --model` counts
+    the parameters the folder really holds; a low-rank output is refused by name before it loads."""
+    from netgain.cost.advise import count_parameters
+
+    run_align(tmp_path / "first", "--method", "prune", "--scope", "global", "--variants", "gac")
+    pruned = tmp_path / "first" / "out"
+    report = run_align(tmp_path / "second", "--model", str(pruned), "--method", "asvd", "--variants", "dense,gac")
+    assert report["rows"][0]["model_params"] == sum(p.numel() for p in load(pruned).parameters())
+    source = load(pruned)
+    factorised = {n: m for n, m in load(tmp_path / "second" / "out").named_modules() if isinstance(m, LowRankLinear)}
+    assert any(isinstance(source.get_submodule(n), PrunedLinear) for n in factorised)
+    for name, module in factorised.items():  # each factorises the pruned Linear at its real shape
+        assert (module.in_features, module.out_features) == (source.get_submodule(name).in_features,
+                                                             source.get_submodule(name).out_features)
+    for folder in (pruned, tmp_path / "second" / "out"):
+        counted = sum(math.prod(shape) for shape in count_parameters(str(folder)))
+        assert counted == sum(p.numel() for p in load(folder).parameters())
+    with pytest.raises(SystemExit, match="netgain low-rank model"):
+        run_align(tmp_path / "third", "--model", str(tmp_path / "second" / "out"))

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import store
 from .config import COSTS, VARIANTS as APPLIED
 from .prune import IMPORTANCE, SCOPES
 
@@ -88,6 +89,11 @@ def model_dir(model: str | None) -> Path:
                          "for the packaged Gemma-3-270M)")
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {model} is not a Hugging Face model directory: it has no config.json")
+    factorised = [name for name, spec in store.compressed_modules(path).items() if spec.get("kind") == "lowrank"]
+    if factorised:
+        raise SystemExit(f"--model {model} is a netgain low-rank model ({len(factorised)} Linears already factorised): "
+                         "compressing its factors again is not supported; give the model it was compressed from, or "
+                         f"compress a dense copy (netgain align export --model {model} --dense DIR)")
     return path
 
 
@@ -171,7 +177,10 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
+    if store.manifest(source) is not None:  # a pruned netgain model: its real, pruned layers
+        model = store.load(source, args.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
     try:
         chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
     except ValueError as error:

@@ -110,6 +110,9 @@ def _meta_parameter_sizes(path: Path) -> list[int]:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from ..align.hf import register
+
+    register()  # a folder netgain align wrote builds with its real (factorised, pruned) layers
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         try:
