@@ -4,11 +4,13 @@ Variants reported, all from one run of `netgain.align.compress`: dense; the raw 
 rounding of its sizes to multiples of 8 (nearest: ignores the budget; down: keeps it); GAC under
 the raw compressor's parameter count. With no --model, the packaged Gemma-3-270M (converted once
 into the user cache); with no --calib / --eval, the Python docs (Debian package python3.11-doc).
+`netgain align export --model DIR --dense OUT` writes a saved output as a plain, full-size model.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from .config import COSTS, VARIANTS as APPLIED
 from .prune import IMPORTANCE, SCOPES
 
 METHODS = ("svdllm", "asvd", "prune")
+EXPORT_HELP = ("Every factorised Linear multiplied back and every pruned one zero-filled to its full shape: the same "
+               "function for engines that know only dense layers, at the dense model's size (it gives up the compression).")
 VARIANTS = ("dense",) + APPLIED
 
 
@@ -28,7 +32,8 @@ def configure(parser) -> None:
     parser.add_argument("--cost", default="measured", choices=COSTS, help="latency model GAC uses to drop cliffs")
     parser.add_argument("--calib", default=None, help="calibration text: a file or a directory of *.txt (default: the Python docs' library reference)")
     parser.add_argument("--eval", default=None, help="held-out text for perplexity (default: the rest of the Python docs)")
-    parser.add_argument("--out", required=True, help="directory for the saved model and the report (not inside --model)")
+    parser.add_argument("--out", default=None, help="directory for the saved model and the report: new, empty, or an "
+                        "earlier netgain output (never --model, inside it, or another model's folder); required")
     parser.add_argument("--save", default="gac", choices=VARIANTS[1:], help="which variant to save")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     parser.add_argument("--predict", default="a100,h100", help="analytic GPU presets for predicted-latency columns "
@@ -54,6 +59,12 @@ def configure(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype the model is loaded, compressed and timed in")
+    actions = parser.add_subparsers(dest="action", metavar="export", help="netgain align export --model DIR --dense OUT: "
+                                    "a compressed model as a plain, full-size transformers folder")
+    export = actions.add_parser("export", help="write a netgain align output as a plain transformers folder",
+                                description=EXPORT_HELP)
+    export.add_argument("--model", required=True, help="a folder netgain align wrote")
+    export.add_argument("--dense", required=True, help="directory for the dense copy (same rules as --out)")
 
 
 def _parse_list(text: str, allowed, what: str) -> list[str]:
@@ -97,17 +108,23 @@ def model_dir(model: str | None) -> Path:
     return path
 
 
-def check_out(out: str, model: Path) -> Path:
-    """Refuse an --out that is empty, is or lies under an existing file, or is --model or inside it (saving
-    there would overwrite the input model)."""
+def check_out(out: str | None, model: Path, flag: str = "--out") -> Path:
+    """Refuse an output directory that would overwrite a model: --model itself or a folder inside it,
+    compared by inode (a symlink or bind mount of --model is caught), or a folder that holds files
+    netgain did not write (another model's). A previous netgain output may be written again: its
+    files are replaced by os.replace (`store.write_folder`), never written through a hard link."""
     if not out:
-        raise SystemExit("--out is empty: give the directory for the saved model and the report")
-    path, source = Path(out).resolve(), model.resolve()
+        raise SystemExit(f"{flag} is required: give the directory for the saved model")
+    path = Path(out).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())  # what saving would create the folder in
     if not existing.is_dir():
-        raise SystemExit(f"--out {out}: {existing} is an existing file, not a directory: choose a directory")
-    if path == source or source in path.parents:
-        raise SystemExit(f"--out {out} is inside --model {model}: saving would overwrite the input model; choose another directory")
+        raise SystemExit(f"{flag} {out}: {existing} is an existing file, not a directory: choose a directory")
+    if any(os.path.samefile(p, model) for p in (existing, *existing.parents)):
+        raise SystemExit(f"{flag} {out} is --model {model} or inside it: saving would overwrite the input model; "
+                         "choose another directory")
+    if existing == path and any(path.iterdir()) and store.manifest(path) is None:
+        raise SystemExit(f"{flag} {out} holds files netgain did not write (no netgain manifest.json), perhaps another "
+                         "model: choose a new or empty directory")
     return Path(out)
 
 
@@ -154,9 +171,24 @@ def align_config(args):
                        tolerance=args.tolerance, variant=args.save)
 
 
+def export(args) -> int:
+    """`netgain align export`: the dense copy (`store.export_dense`), and what it gives up."""
+    source = Path(args.model)
+    if store.manifest(source) is None:
+        raise SystemExit(f"--model {args.model}: not a folder netgain align wrote (no netgain manifest.json)")
+    out = check_out(args.dense, source, "--dense")
+    compressed = sum(p.numel() for p in store.load(source).parameters())
+    dense = sum(p.numel() for p in store.export_dense(source, out).parameters())
+    print(f"wrote a plain transformers model to {out}: {dense:,} parameters, where {source} holds {compressed:,}. "
+          "Same function, at the dense size: the export gives up the compression's memory and speed.")
+    return 0
+
+
 def run(args) -> int:
     from ..cost.kernels import GPUS, AnalyticCost
 
+    if args.action == "export":
+        return export(args)
     variants = _parse_list(args.variants, VARIANTS, "variants")
     check_counts(args)
     if args.save not in variants:
@@ -209,11 +241,10 @@ def run(args) -> int:
         f"budget {result.budget:,} (raw compressor); cost model for GAC: {cost.name}; prefill S={args.seq}, batch 1, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)" + _checked(result.check, args)
     )
-    (out / "report.md").write_text(f"{summary}\n\n{table}")
-    (out / "report.json").write_text(
-        json.dumps({"summary": summary, "budget": result.budget, "dense_params": result.dense_params,
-                    "sizes": result.sizes, "check": result.check, "rows": [r.as_dict() for r in rows]}, indent=1)
-    )
+    record = {"summary": summary, "budget": result.budget, "dense_params": result.dense_params, "sizes": result.sizes,
+              "check": result.check, "rows": [r.as_dict() for r in rows]}
+    store.write_folder(out, lambda folder: ((folder / "report.md").write_text(f"{summary}\n\n{table}"),
+                                            (folder / "report.json").write_text(json.dumps(record, indent=1))))
     print(summary)
     print(table)
     print(f"saved {args.save} model and report to {out}")

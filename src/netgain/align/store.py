@@ -147,3 +147,43 @@ def replacement(model: nn.Module, name, spec) -> nn.Module:
         raise ValueError(f"compressed module {name}: bias must be true or false, got {spec.get('bias')!r}")
     return MODULE_KINDS[spec["kind"]].from_spec(spec)
 
+
+
+def export_dense(directory: str | Path, out_dir: str | Path) -> nn.Module:
+    """Write a plain transformers folder that computes the same function at full size, for engines that
+    know only dense layers: every factorised Linear multiplied back, every pruned one zero-filled to
+    its original shape. It gives up the size: the folder holds the dense parameter count. Returns
+    the dense model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = load(directory)
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(model.config)  # the base's Linears, full size
+    for name in compressed_modules(directory):
+        model.set_submodule(name, dense_linear(model.get_submodule(name), shapes.get_submodule(name)))
+    tokenizer = AutoTokenizer.from_pretrained(directory) if (Path(directory) / "tokenizer_config.json").is_file() else None
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    write_folder(out_dir, write)
+    return model
+
+
+@torch.no_grad()
+def dense_linear(module: nn.Module, original: nn.Linear) -> nn.Linear:
+    """A compressed module as a Linear of `original`'s shape: factors multiplied back (in float32), and
+    zeros where pruning removed channels. Pruning packs the kept channels first in every Linear of a
+    block alike, so the zeros line up: a removed MLP channel or KV group contributes nothing."""
+    outer = module.up if isinstance(module, LowRankLinear) else module
+    weight = module.up.weight.float() @ module.down.weight.float() if isinstance(module, LowRankLinear) else module.weight
+    dense = nn.Linear(original.in_features, original.out_features, bias=outer.bias is not None,
+                      device=outer.weight.device, dtype=outer.weight.dtype)
+    dense.weight.zero_()
+    dense.weight[: weight.shape[0], : weight.shape[1]] = weight
+    if outer.bias is not None:
+        dense.bias.zero_()
+        dense.bias[: outer.bias.shape[0]] = outer.bias
+    return dense
