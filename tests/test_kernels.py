@@ -10,11 +10,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from netgain.cost import latency, profile, published
+from netgain.align import gac
+from netgain.align.lowrank import LowRankUnit
+from netgain.cost import latency, measured, profile, published
 from netgain.cost.kernels import GPUS, AnalyticCost, gemm_tier
 from netgain.cost.measured import MeasuredCost
 from netgain.cost.profile import linear_shapes, rank_sweep
-from netgain.cost.timing import interleaved, summarise
+from netgain.cost.timing import Timing, interleaved, summarise
 
 
 def test_gemm_tiers_follow_alignment_of_k_and_n():
@@ -119,7 +121,14 @@ def test_interleaved_rounds_rotate_the_order():
         interleaved(calls, repeats=0)
 
 
-def test_measured_cost_times_once_and_reloads_from_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def undisturbed(monkeypatch):
+    """Every real timing counts as undisturbed, whatever the machine's load: these tests are about the cache."""
+    monkeypatch.setattr(measured, "DISTURBED_SPREAD", float("inf"))
+    monkeypatch.setattr(measured, "DISTURBED_LOAD", float("inf"))
+
+
+def test_measured_cost_times_once_and_reloads_from_cache(tmp_path, monkeypatch, undisturbed):
     path = tmp_path / "table.json"
     cost = MeasuredCost("cpu", "float32", warmup=1, repeats=3, cache=path)
     t = cost.gemm(16, 32, 24)
@@ -243,7 +252,7 @@ def test_a_kernels_only_cost_model_predicts_kernels_alone():
     assert parts.total_s == parts.gemm_s == 2 * 7 + 1
 
 
-def test_a_measured_prediction_is_built_from_the_kernels_timed_here(tmp_path, monkeypatch):
+def test_a_measured_prediction_is_built_from_the_kernels_timed_here(tmp_path, monkeypatch, undisturbed):
     """End to end on this CPU, with no timing race: every part of a real model's prediction comes from a
     timed entry, and the saved table alone gives the same prediction again (how close a prediction is to
     the measured latency is bench/gac_latency.py's question)."""
@@ -279,3 +288,52 @@ def test_profile_cli_writes_a_table(tmp_path):
         profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--min-ratio", "0"]))
     with pytest.raises(ValueError, match="--model must be a Hugging Face model directory"):
         profile.run(parser.parse_args(["--model", str(tmp_path / "nothing")]))
+
+
+@pytest.fixture
+def steady_timer(monkeypatch):
+    """MeasuredCost's timer replaced by the analytic A100 at a 1% spread on a quiet machine: no timing race."""
+    a100 = AnalyticCost("a100")
+
+    def time(self, calls, cold):
+        seconds = {key: a100.gemm(*map(int, key.split()[1:])) for key in calls}
+        return {key: Timing(t, 0.01, 3, 0, (t, t, t)) for key, t in seconds.items()}
+
+    monkeypatch.setattr(MeasuredCost, "_time", time)
+    monkeypatch.setattr(measured, "load_per_core", lambda: 0.1)
+
+
+@pytest.mark.parametrize("spread,load,remeasured", [(0.5, 0.1, True), (0.01, 4.0, True), (0.01, None, True), (0.01, 0.1, False)])
+def test_an_entry_timed_while_disturbed_is_measured_again_before_gac_uses_it(tmp_path, steady_timer, spread, load, remeasured):
+    """The GEMMs of GAC's choice cached 50x slower, as a busy moment times them: with a large spread, a
+    high load or no load on record they are timed again and GAC's sizes equal a fresh table's; an
+    undisturbed record is trusted, and then (the counterfactual) those sizes move."""
+    units = [LowRankUnit("u", 29, 64, 1.0, 64, 160), LowRankUnit("v", 47, 64, 0.5, 64, 160)]
+    path = tmp_path / "table.json"
+    fresh = MeasuredCost("cpu", cache=path)
+    sizes = gac.select(units, fresh, 512, multiple=8, steps=2)
+    fresh.save()
+    record = json.loads(path.read_text())
+    slowed = {f"gemm {m} {k} {n}" for m, k, n in units[1].gemms(sizes["v"], 512)}
+    for key in slowed:
+        entry = record["entries"][key]
+        entry.update(median_s=50 * entry["median_s"], spread=spread, load=load)
+    path.write_text(json.dumps(record))
+    cached = MeasuredCost("cpu", cache=path)
+    assert (cached.stale == slowed) == remeasured
+    again = gac.select(units, cached, 512, multiple=8, steps=2)
+    assert (again == sizes) == remeasured and cached.remeasured == len(slowed) * remeasured
+    assert all((cached.table[key].timing.median_s == fresh.table[key].timing.median_s) == remeasured for key in slowed)
+
+
+def test_refresh_measures_every_entry_again(tmp_path, steady_timer):
+    path = tmp_path / "table.json"
+    cost = MeasuredCost("cpu", cache=path)
+    cost.measure_gemms([(8, 16, 24), (8, 24, 16)])
+    cost.save()
+    entry = json.loads(path.read_text())["entries"]["gemm 8 16 24"]
+    assert entry["load"] == 0.1 and entry["machine"] and entry["date"] and entry["spread"] == 0.01
+    assert MeasuredCost("cpu", cache=path).stale == set()
+    refreshed = MeasuredCost("cpu", cache=path, refresh=True)
+    refreshed.measure_gemms([(8, 16, 24), (8, 24, 16)])
+    assert refreshed.remeasured == 2 and "2 re-measured" in refreshed.describe()

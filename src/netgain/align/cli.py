@@ -236,9 +236,10 @@ def run(args) -> int:
                               repeats=args.repeats, progress=bar)
 
     table = report.markdown(rows, result.budget, cost.preferred_multiple)
+    priced = cost.describe() if hasattr(cost, "describe") else f"the analytic model of {cost.name}"
     summary = (
         f"model {source}; {args.method} at param ratio {args.param_ratio}: decoder Linears {result.dense_params:,} -> "
-        f"budget {result.budget:,} (raw compressor); cost model for GAC: {cost.name}; prefill S={args.seq}, batch 1, "
+        f"budget {result.budget:,} (raw compressor); GAC priced by {priced}; prefill S={args.seq}, batch 1, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)" + _checked(result.check, args)
     )
     record = {"summary": summary, "budget": result.budget, "dense_params": result.dense_params, "sizes": result.sizes,

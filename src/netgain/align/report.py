@@ -23,6 +23,8 @@ class Row:
     perplexity: float
     measured_prefill_s: float
     measured_decode_s: float
+    measured_prefill_spread: float  # interquartile range / median of the timed rounds
+    measured_decode_spread: float
     predicted: dict[str, dict[str, float]] = field(default_factory=dict)  # cost name -> {"prefill_s", "decode_s"}
 
     def as_dict(self) -> dict:
@@ -54,6 +56,8 @@ def compare(
                 perplexity=evaluate.perplexity(model, eval_chunks),
                 measured_prefill_s=float("nan"),
                 measured_decode_s=float("nan"),
+                measured_prefill_spread=float("nan"),
+                measured_decode_spread=float("nan"),
                 predicted={
                     name: {
                         "prefill_s": evaluate.predicted_latency(model, cost, seq_len, seq_len),
@@ -69,6 +73,8 @@ def compare(
     for row in rows:
         row.measured_prefill_s = latency[row.variant]["prefill_s"]
         row.measured_decode_s = latency[row.variant]["decode_s"]
+        row.measured_prefill_spread = latency[row.variant]["prefill_spread"]
+        row.measured_decode_spread = latency[row.variant]["decode_spread"]
     if progress is not None:
         progress.update(1)
     return rows
@@ -85,11 +91,13 @@ def markdown(rows: Sequence[Row], budget: int, preferred_multiple: int, baseline
     )
     costs = list(rows[0].predicted)
     latency = table(
-        ["variant", f"aligned %8 / %{preferred_multiple}", f"measured prefill ms (vs {base.variant})",
-         f"measured decode ms (vs {base.variant})"] + [f"predicted prefill / decode ms ({c})" for c in costs],
+        ["variant", f"aligned %8 / %{preferred_multiple}", f"measured prefill ms ± spread (vs {base.variant})",
+         f"measured decode ms ± spread (vs {base.variant})"] + [f"predicted prefill / decode ms ({c})" for c in costs],
         [[r.variant, f"{100 * r.aligned_8:.0f}% / {100 * r.aligned_preferred:.0f}%",
-          f"{r.measured_prefill_s * 1e3:.1f} ({r.measured_prefill_s / base.measured_prefill_s:.3f})",
-          f"{r.measured_decode_s * 1e3:.2f} ({r.measured_decode_s / base.measured_decode_s:.3f})"]
+          f"{r.measured_prefill_s * 1e3:.1f} ±{100 * r.measured_prefill_spread:.0f}% "
+          f"({r.measured_prefill_s / base.measured_prefill_s:.3f})",
+          f"{r.measured_decode_s * 1e3:.2f} ±{100 * r.measured_decode_spread:.0f}% "
+          f"({r.measured_decode_s / base.measured_decode_s:.3f})"]
          + [f"{r.predicted[c]['prefill_s'] * 1e3:.3f} / {r.predicted[c]['decode_s'] * 1e3:.3f}" for c in costs]
          for r in rows],
     )

@@ -11,11 +11,18 @@ in between, so before such a call a buffer larger than the last-level cache is r
 (timed hot, a prefill norm ran 4-5x faster than inside Gemma-3-270M's forward on this CPU); small
 operands (a decode step's activations) stay hot, as they do in the model. The table is keyed by device,
 thread count and dtype and written atomically, so an interrupted run never leaves a half-written cache.
+
+A timing taken while other work ran stays wrong for as long as it is cached (one GEMM cached at 55 ms
+with a 37% spread, 3.0 ms fresh, moved GAC's sizes). So every entry records its spread, the load
+average per core, the date and the machine (`Entry`); an entry whose spread or load says it was
+disturbed, or that predates these records, is measured again before it is used (once per run), and
+`refresh=True` (`netgain profile --refresh`) measures every entry a run uses again.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import itertools
 import json
 import math
@@ -24,6 +31,7 @@ import platform
 import statistics
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -37,6 +45,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CACHE_DIR = Path(os.environ.get("NETGAIN_CACHE", Path.home() / ".cache" / "netgain"))
 FLUSH_BYTES = 64 << 20  # read before a cold call: beyond the last-level cache of the CPUs (32 MB) and GPUs here
 HOT_BYTES = 1 << 20  # operands up to this size stay in a core's cache between kernels (L2: 2 MB here)
+DISTURBED_SPREAD = 0.2  # IQR / median above this: the samples were spread by interference (quiet: a few %)
+DISTURBED_LOAD = 1.0  # 1-minute load average per available core above this: other work shared the cores
 CALLS_PER_SAMPLE = 100  # trivial calls timed together (one call is below the timer's resolution)
 # the cheap ops a decoder forward dispatches between its kernels, in one representative mix
 GLUE_OPS = (
@@ -56,6 +66,38 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_per_core() -> float:
+    """The 1-minute load average per core this process may run on."""
+    return os.getloadavg()[0] / len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached timing and the conditions it was taken in."""
+
+    timing: Timing
+    load: float | None  # load average per core just after the timing (None: not recorded)
+    date: str  # when, ISO 8601 UTC
+    machine: str  # the host's name
+
+    @classmethod
+    def now(cls, timing: Timing) -> "Entry":
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return cls(timing, load_per_core(), stamp, platform.node())
+
+    @property
+    def disturbed(self) -> bool:
+        """Spread or load says other work shared the machine, or nobody recorded the load."""
+        return self.load is None or self.load > DISTURBED_LOAD or self.timing.spread > DISTURBED_SPREAD
+
+    def as_dict(self) -> dict:
+        return {**self.timing.as_dict(), "load": self.load, "date": self.date, "machine": self.machine}
+
+    @classmethod
+    def from_dict(cls, record: Mapping) -> "Entry":
+        return cls(Timing.from_dict(record), record.get("load"), record.get("date", ""), record.get("machine", ""))
+
+
 class MeasuredCost:
     """Latency (seconds) of kernels and overheads timed on this device; same interface as `AnalyticCost`."""
 
@@ -68,6 +110,7 @@ class MeasuredCost:
         warmup: int = 2,
         repeats: int = 7,
         cache: str | Path | None = None,
+        refresh: bool = False,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -96,7 +139,10 @@ class MeasuredCost:
         self.host_bound = device == "cpu"  # eager CPU: the host's dispatch time is latency
         slug = "".join(c if c.isalnum() else "-" for c in f"{self.name}-{dtype}").strip("-").lower()
         self.path = Path(cache) if cache is not None else DEFAULT_CACHE_DIR / f"kernels-{slug}.json"
-        self.table: dict[str, Timing] = self._load()
+        self.table: dict[str, Entry] = self._load()
+        # entries to measure again before use: the disturbed ones, or all of them when refreshing
+        self.stale = {key for key, entry in self.table.items() if refresh or entry.disturbed}
+        self.remeasured = 0  # stale entries measured again in this run
 
     # --- what a forward runs -------------------------------------------------------------------
 
@@ -154,21 +200,26 @@ class MeasuredCost:
 
     def spread(self, key: str) -> float:
         """Relative spread (IQR / median) of one measured entry."""
-        return self.table[key].spread
+        return self.table[key].timing.spread
 
     @property
     def noise(self) -> float:
         """The typical relative spread (median IQR / median) of this table's GEMM timings: a latency
         difference between GEMMs smaller than this is not evidence of a cliff."""
-        spreads = [t.spread for key, t in self.table.items() if key.startswith("gemm ")]
+        spreads = [e.timing.spread for key, e in self.table.items() if key.startswith("gemm ")]
         return statistics.median(spreads) if spreads else 0.0
 
+    def describe(self) -> str:
+        """Which table prices, and how much of it this run measured again."""
+        return (f"measured kernels ({self.name}, {self.dtype}), table {self.path}: {len(self.table)} entries, "
+                f"{self.remeasured} re-measured as disturbed or refreshed, typical GEMM spread {100 * self.noise:.1f}%")
+
     def measure_gemms(self, shapes) -> None:
-        """Time every missing (M, K, N) together, interleaved round by round (what `netgain profile` does)."""
-        missing = {f"gemm {m} {k} {n}": (m, k, n) for m, k, n in shapes if f"gemm {m} {k} {n}" not in self.table}
+        """Time every missing or stale (M, K, N) together, interleaved round by round (what `netgain profile` does)."""
+        missing = {f"gemm {m} {k} {n}": (m, k, n) for m, k, n in shapes if self._needs(f"gemm {m} {k} {n}")}
         for start in range(0, len(missing), 64):  # batches keep the operands in memory bounded
             batch = dict(itertools.islice(missing.items(), start, start + 64))
-            self.table.update(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}, cold=True))
+            self._store(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}, cold=True))
 
     def save(self) -> Path:
         """Write the table (with what it was measured on) to the cache file, atomically."""
@@ -202,7 +253,7 @@ class MeasuredCost:
             stored = json.loads(self.path.read_text())
             if stored.get("device") != self.name or stored.get("dtype") != self.dtype:
                 return {}
-            return {k: Timing.from_dict(v) for k, v in stored["entries"].items()}
+            return {k: Entry.from_dict(v) for k, v in stored["entries"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             aside = self.path.with_name(self.path.name + ".corrupt")
             try:
@@ -216,9 +267,19 @@ class MeasuredCost:
     # --- timing ------------------------------------------------------------------------------------
 
     def _get(self, key: str, make: Callable[[], Callable[[], object]], cold: bool) -> float:
-        if key not in self.table:
-            self.table.update(self._time({key: make()}, cold))
-        return self.table[key].median_s
+        if self._needs(key):
+            self._store(self._time({key: make()}, cold))
+        return self.table[key].timing.median_s
+
+    def _needs(self, key: str) -> bool:
+        """Whether `key` must be timed before use: missing, or stale."""
+        return key not in self.table or key in self.stale
+
+    def _store(self, timings: Mapping[str, Timing]) -> None:
+        """Keep fresh timings with the conditions they were taken in (a stale one is now measured again)."""
+        self.remeasured += len(self.stale & timings.keys())
+        self.stale -= timings.keys()
+        self.table.update({key: Entry.now(timing) for key, timing in timings.items()})
 
     def _bytes(self, numel: int) -> int:
         return numel * torch.finfo(DTYPES[self.dtype]).bits // 8

@@ -5,6 +5,8 @@ low-rank compression of the model's decoder Linears could run — each Linear de
 at a sweep of ranks, for a prefill of --seq tokens and for one decode token — and the per-layer
 work around them (norms, activation, attention, elementwise passes, module calls) that
 `netgain.cost.latency` adds up. Only the model's config is read; weights are never loaded.
+Entries the table holds are reused unless they were disturbed (`netgain.cost.measured.Entry`);
+--refresh measures every one this model uses again.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def configure(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per shape (interleaved)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per shape before the timed ones")
+    parser.add_argument("--refresh", action="store_true",
+                        help="measure every entry this model uses again, even those the table holds undisturbed")
     parser.add_argument("--cache", default=None, help=f"JSON table path (default: {DEFAULT_CACHE_DIR}/kernels-<device>-<dtype>.json)")
 
 
@@ -68,7 +72,8 @@ def run(args) -> int:
     if args.seq < 1 or args.step < 1:
         raise ValueError(f"--seq and --step must be >= 1, got --seq {args.seq}, --step {args.step}")
     config = AutoConfig.from_pretrained(args.model)
-    cost = MeasuredCost(args.device, args.dtype, threads=args.threads, warmup=args.warmup, repeats=args.repeats, cache=args.cache)
+    cost = MeasuredCost(args.device, args.dtype, threads=args.threads, warmup=args.warmup, repeats=args.repeats, cache=args.cache,
+                        refresh=args.refresh)
     jobs = set()
     for k, n in linear_shapes(config):
         for tokens in (args.seq, 1):
@@ -80,8 +85,8 @@ def run(args) -> int:
     model = shape_model(config)
     prefill = predict(model, cost, args.seq, args.seq)  # also times the per-layer work around the GEMMs
     decode = predict(model, cost, 1, args.seq + 1)
-    path = cost.save()
+    cost.save()
     print(f"dense model predicted: prefill S={args.seq} {prefill.total_s * 1e3:.1f} ms "
           f"(overheads {prefill.overhead_s * 1e3:.1f} ms), decode {decode.total_s * 1e3:.2f} ms")
-    print(f"{len(cost.table)} entries, typical spread {100 * cost.noise:.1f}%; table: {path}")
+    print(cost.describe())
     return 0
