@@ -86,7 +86,7 @@ def main():
         return
 
     load = wait_for_quiet()
-    compiled = fused.compile_enabled(torch.device("cpu"))
+    compiled = fused.compile_mode(torch.device("cpu")) != "eager"
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)

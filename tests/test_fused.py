@@ -159,7 +159,7 @@ def test_every_bit_width_packs_compiled(monkeypatch):
     import logging
 
     monkeypatch.setenv("NETGAIN_COMPILE", "1")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    limit = torch._dynamo.config.patch(recompile_limit=1)  # monkeypatch's undo leaves dynamo's config broken
     monkeypatch.setattr(fused, "MIN_PACKED_ROWS", 0)
     limits = []
 
@@ -170,6 +170,7 @@ def test_every_bit_width_packs_compiled(monkeypatch):
 
     handler = Catch()
     logging.getLogger("torch._dynamo").addHandler(handler)
+    limit.__enter__()
     try:
         sizes = [4096, 4096]
         s = Segments.build(sizes, [fused.name_key(f"w{i}") for i in range(len(sizes))], "cpu")
@@ -183,5 +184,64 @@ def test_every_bit_width_packs_compiled(monkeypatch):
             decoded = fused.unpack_scale_into(torch.empty_like(x), words, s, multiplier, layout, 1)
             assert torch.equal(decoded, expected.float() * multiplier[s.seg.long()])
     finally:
+        limit.__exit__(None, None, None)
         logging.getLogger("torch._dynamo").removeHandler(handler)
     assert not any(limits)
+
+
+@pytest.fixture
+def compile_jobs(monkeypatch):
+    """The compile thread's queue, taken here: the test builds what it likes. Graphs begun in the test are
+    dropped afterwards, so no later caller waits for a compile that never ran."""
+    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
+    monkeypatch.setattr(fused, "_compiler_present", lambda device_type: True)
+    jobs = []
+    monkeypatch.setattr(fused, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
+    monkeypatch.setattr(fused, "_compile_thread", "running")
+    before = [dict(cache) for cache in fused._KERNEL_CACHES]
+    yield jobs
+    for cache, kept in zip(fused._KERNEL_CACHES, before):
+        cache.clear()
+        cache.update(kept)
+
+
+def test_first_calls_run_eagerly_while_the_compile_thread_works(compile_jobs):
+    """A kernel's first call starts its compile on copies of the arguments and runs eagerly, with the
+    same bits; once the compile is done, calls take the compiled graph. The user's tensors are never the
+    compile's."""
+    x, out = torch.randn(3000), torch.zeros(3000, dtype=torch.float16)
+    expected = fused.cast_scaled.eager(torch.empty_like(out), x, 0.3125)
+
+    assert torch.equal(fused.cast_scaled(out, x, 0.3125), expected)  # eager, while compiling
+    (graph, args, kwargs, threads), = compile_jobs
+    assert not graph.ready.is_set() and args[0] is not out and torch.equal(args[1], x) and args[1] is not x
+    assert fused.compiling()
+    graph.build(args, kwargs, threads)
+    assert graph.ready.is_set() and not graph.failed and not fused.compiling()
+    calls = []
+    compiled = graph.compiled
+    graph.compiled = lambda *a, **k: calls.append(1) or compiled(*a, **k)
+    out.zero_()
+    assert torch.equal(fused.cast_scaled(out, x, 0.3125), expected) and calls == [1]  # compiled, same bits
+    assert len(compile_jobs) == 1  # the same class of arguments: no second compile
+
+
+def test_a_new_class_of_arguments_compiles_its_own_graph(compile_jobs):
+    """Sizes 0 and 1, dtypes and other arguments' values are what a graph is specialised on: a call that
+    differs in them would recompile inside the compiled call (a stall), so it starts a graph of its own."""
+    for numel, scale in ((3000, 0.25), (5000, 0.25), (1, 0.25), (3000, 0.5)):
+        fused.cast_scaled(torch.zeros(numel, dtype=torch.float16), torch.randn(numel), scale)
+    assert len(compile_jobs) == 3  # 5000 elements share 3000's graph; 1 element and another scale do not
+
+
+def test_background_compile_ends_in_the_compiled_path(monkeypatch):
+    """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
+    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
+    monkeypatch.setattr(fused, "_compiler_present", lambda device_type: True)
+    x = torch.randn(4099)
+    expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
+    first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
+    fused.wait_for_compiles()
+    assert not fused.compiling()
+    assert torch.equal(first, expected)
+    assert torch.equal(fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875), expected)

@@ -142,7 +142,8 @@ class Trainer:
             step_s = time.perf_counter() - start
             history["step"].append(step)
             history["step_s"].append(step_s)
-            history["compiled"].append(fused.compiled_kernels() > compiled_before)
+            # a step that began a compile, or ran codecs eagerly while one was in flight, is not steady
+            history["compiled"].append(fused.compiled_kernels() > compiled_before or fused.compiling())
             history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
             adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()

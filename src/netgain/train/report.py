@@ -44,7 +44,8 @@ def report(config: TrainConfig, world_size: int, history: dict, validations: lis
 def summarize(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
               model: nn.Module) -> dict:
     """Means over the steady steps of this run: after the first (which also builds DDP's buckets), and
-    without the steps in which a codec kernel compiled (seconds of one-off torch.compile); and fp32's step
+    without the steps in which a codec kernel compiled (its codecs ran eagerly while torch.compile worked in
+    the background, or waited for it); and fp32's step
     time on this run's link as netgain's cost model predicts it from the measured compute."""
     steps = len(history["step_s"])
     timed = [i for i in range(1, steps) if not history["compiled"][i]] or list(range(steps))
