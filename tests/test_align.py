@@ -62,6 +62,23 @@ def test_factorisation_is_exact_for_a_weight_of_that_rank():
     assert compressor.truncation_error(name, 5) < 1e-10
 
 
+def test_linears_reading_one_tensor_share_its_statistics_and_whitening(monkeypatch):
+    """q, k and v (and gate and up) read one tensor: its x x^T is accumulated, and SVD-LLM's Cholesky
+    factor computed, once per layer and input, not once per Linear; the fit says where its time went."""
+    from netgain.align import svdllm
+    from netgain.align.lowrank import _Inputs
+
+    recorded, factored = [], []
+    record, cholesky = _Inputs.record, svdllm.cholesky
+    monkeypatch.setattr(_Inputs, "record", lambda self, x: (recorded.append(self), record(self, x))[1])
+    monkeypatch.setattr(svdllm, "cholesky", lambda c, jitter: (factored.append(c), cholesky(c, jitter))[1])
+    compressor = svdllm.SVDLLM()
+    compressor.fit(tiny("llama"), batches(2))
+    assert len(recorded) == 2 * 4 * 2 and len(set(map(id, recorded))) == 2 * 4  # layers x inputs (x batches)
+    assert len(factored) == 2 * 4 and len(compressor.factors) == 2 * 7
+    assert set(compressor.phases.seconds) == {"forward/backward passes", "activation statistics", "SVDs", "loss curves"}
+
+
 def test_proposal_meets_the_parameter_ratio_with_asvd_ranks(fitted_llama):
     _, compressor = fitted_llama
     units = compressor.propose(0.85)

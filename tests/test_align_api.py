@@ -135,6 +135,9 @@ def test_svdllm_truncation_error_is_the_dropped_singular_values():
         def covariance(self):
             return x.T @ x / len(x)
 
+        def cached(self, key, derive):
+            return derive()
+
     u, sigma, m = SVDLLM().factorise(weight, Stats())
     for rank in (0, 4, 9):
         kept = (u[:, :rank] * sigma[:rank]) @ m[:rank]

@@ -200,10 +200,10 @@ def run(args) -> int:
     calib_text, eval_text = text(args.calib, "calib"), text(args.eval, "eval")
 
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import evaluate, report
+    from .phases import bar
     from .pipeline import compress
 
     if args.threads is not None:
@@ -231,9 +231,10 @@ def run(args) -> int:
     costs = {"measured-kernels" if args.cost == "measured" else args.cost: cost}
     costs.update({p: AnalyticCost(p) for p in predict if p not in costs})
     result.save(compressed, out, tokenizer)
-    with tqdm(total=len(variants) + 1, desc="perplexity, then latency in turns", unit="step") as bar:
+    with result.phases.timed("perplexity and latency of the variants"), \
+            bar(len(variants) + 1, "perplexity, then latency in turns") as done:
         rows = result.compare(model, compressed, variants, costs=costs, seq_len=args.seq, eval_chunks=held_out,
-                              repeats=args.repeats, progress=bar)
+                              repeats=args.repeats, progress=done)
 
     table = report.markdown(rows, result.budget, cost.preferred_multiple)
     priced = cost.describe() if hasattr(cost, "describe") else f"the analytic model of {cost.name}"
@@ -241,9 +242,10 @@ def run(args) -> int:
         f"model {source}; {args.method} at param ratio {args.param_ratio}: decoder Linears {result.dense_params:,} -> "
         f"budget {result.budget:,} (raw compressor); GAC priced by {priced}; prefill S={args.seq}, batch 1, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} (variants timed in turns)" + _checked(result.check, args)
+        + f"; time: {result.phases.summary()} (load average {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores)"
     )
     record = {"summary": summary, "budget": result.budget, "dense_params": result.dense_params, "sizes": result.sizes,
-              "check": result.check, "rows": [r.as_dict() for r in rows]}
+              "check": result.check, "phases_s": result.phases.seconds, "rows": [r.as_dict() for r in rows]}
     store.write_folder(out, lambda folder: ((folder / "report.md").write_text(f"{summary}\n\n{table}"),
                                             (folder / "report.json").write_text(json.dumps(record, indent=1))))
     print(summary)

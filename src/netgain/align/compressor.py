@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from . import gac
+from .phases import Phases
 from .units import Unit, proposed_sizes
 
 
@@ -21,7 +22,10 @@ class Compressor:
 
     method = ""  # the name recorded in a saved model's manifest
 
-    def fit(self, model: nn.Module, batches, progress=None) -> None:
+    def __init__(self):
+        self.phases = Phases()  # where fitting (and the pipeline after it) spent its time
+
+    def fit(self, model: nn.Module, batches, progress: bool = False) -> None:
         raise NotImplementedError
 
     def propose(self, param_ratio: float) -> list[Unit]:

@@ -19,6 +19,7 @@ The units carry that curve, so GAC values any rank by it rather than by a linear
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -28,6 +29,7 @@ from torch import nn
 from ..plan import Option, solve
 from .calibrate import loss_backward
 from .compressor import Compressor
+from .phases import bar
 from .units import Unit, check_propose
 
 # the per-layer parameter ratios the allocation chooses from (1.0 = keep the layer dense)
@@ -116,42 +118,70 @@ class LowRank(Compressor):
     allocation and the rebuild; a subclass says how it whitens (`factorise`)."""
 
     def __init__(self):
+        super().__init__()
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name -> U, sigma, V^T S^-1
         self.curves: dict[str, torch.Tensor] = {}  # name -> predicted loss increase at rank 0..full
         self.shapes: dict[str, tuple[int, int]] = {}
 
-    def factorise(self, weight: torch.Tensor, calibration: _Calibration) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def factorise(self, weight: torch.Tensor, inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """U, sigma and M = V^T S^-1 of W S = U diag(sigma) V^T (float32, on the CPU)."""
         raise NotImplementedError
 
-    def fit(self, model: nn.Module, batches, progress=None) -> None:
-        """Calibrate on token-id batches (activation scales, input covariance, output Fisher), then factorise every Linear."""
+    def fit(self, model: nn.Module, batches, progress: bool = False) -> None:
+        """Calibrate on token-id batches (input statistics, output Fisher), then factorise every Linear.
+
+        Linears that read the same tensor (q, k and v; gate and up) share one `_Inputs`: its |x| and
+        x x^T are accumulated once per batch, not once per reader (`phases` says what each step took)."""
         linears = decoder_linears(model)
         if not linears:
             raise ValueError("model has no nn.Linear inside decoder layers ('.layers.' in the module name)")
-        stats = {name: _Calibration(m.in_features, m.out_features) for name, m in linears.items()}
-        handles = [m.register_forward_pre_hook(stats[name].record_input) for name, m in linears.items()]
+        batches = list(batches)
+        stats = {name: _Calibration(m.out_features) for name, m in linears.items()}
+        last: list = [None, None]  # the tensor the previous Linear read, and its statistics
+        statistics_s = [0.0]
+
+        def record_input(name: str, features: int):
+            def hook(module, args):
+                start = time.perf_counter()
+                if args[0] is last[0]:  # another reader of the same tensor: recorded already
+                    inputs = last[1]
+                else:
+                    inputs = stats[name].inputs or _Inputs(features)
+                    inputs.record(args[0])
+                stats[name].inputs, last[:] = inputs, (args[0], inputs)
+                statistics_s[0] += time.perf_counter() - start
+
+            return hook
+
+        handles = [m.register_forward_pre_hook(record_input(name, m.in_features)) for name, m in linears.items()]
         handles += [m.register_forward_hook(stats[name].watch_output) for name, m in linears.items()]
         # gradients w.r.t. activations only: no weight is trainable, the embedding output is the leaf
         handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach().requires_grad_()))
+        start = time.perf_counter()
         try:
-            loss_backward(model, batches, progress=progress)
+            with bar(len(batches), "calibration passes", progress) as passes:
+                loss_backward(model, batches, progress=passes)
         finally:
             for h in handles:
                 h.remove()
-        if not all(c.count for c in stats.values()):
+            last[:] = None, None
+        self.phases.add("forward/backward passes", time.perf_counter() - start - statistics_s[0])
+        self.phases.add("activation statistics", statistics_s[0])
+        if not all(c.inputs is not None for c in stats.values()):
             raise ValueError("calibration batches never reached some decoder Linears (no batches given?)")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # threaded LAPACK SVD spins for seconds when cores are shared; these are small
         try:
-            for name, module in linears.items():
-                calibration = stats.pop(name)  # free each covariance once used
-                u, sigma, m = self.factorise(module.weight.detach().float().cpu(), calibration)
-                self.factors[name] = (u, sigma, m)
-                self.curves[name] = loss_curve(u, sigma, m, calibration.covariance(), calibration.fisher())
-                self.shapes[name] = (module.in_features, module.out_features)
-                if progress is not None:
-                    progress.update(1)
+            with bar(len(linears), "SVDs and loss curves", progress, unit="Linear") as done:
+                for name, module in linears.items():
+                    calibration = stats.pop(name)  # free each covariance once its last reader is done
+                    with self.phases.timed("SVDs"):
+                        u, sigma, m = self.factorise(module.weight.detach().float().cpu(), calibration.inputs)
+                    self.factors[name] = (u, sigma, m)
+                    with self.phases.timed("loss curves"):
+                        self.curves[name] = loss_curve(u, sigma, m, calibration.inputs.covariance(), calibration.fisher())
+                    self.shapes[name] = (module.in_features, module.out_features)
+                    done.update(1)
         finally:
             torch.set_num_threads(threads)
 
@@ -222,27 +252,47 @@ class ASVD(LowRank):
         super().__init__()
         self.alpha = alpha
 
-    def factorise(self, weight, calibration):
-        scale = calibration.mean_abs().clamp_min(1e-6).pow(self.alpha).float()
+    def factorise(self, weight, inputs):
+        scale = inputs.mean_abs().clamp_min(1e-6).pow(self.alpha).float()
         u, sigma, vt = torch.linalg.svd(weight * scale[None, :], full_matrices=False)
         return u, sigma, vt / scale[None, :]
 
 
-class _Calibration:
-    """Running statistics of one Linear over the calibration tokens: |x| and x x^T of its input, and the
-    squared gradient of the per-token loss w.r.t. its output (the diagonal empirical Fisher)."""
+class _Inputs:
+    """Running |x| and x x^T of one input tensor over the calibration tokens, shared by every Linear
+    that reads it; `cached` keeps what is derived from them once (SVD-LLM's Cholesky factor)."""
 
-    def __init__(self, in_features: int, out_features: int):
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.gram = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.grad_sq = torch.zeros(out_features, dtype=torch.float64)
+    def __init__(self, features: int):
+        self.abs_sum = torch.zeros(features, dtype=torch.float64)
+        self.gram = torch.zeros(features, features, dtype=torch.float64)
         self.count = 0
+        self.derived: dict = {}
 
-    def record_input(self, module, args) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
+    def record(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
         self.abs_sum += x.abs().sum(0)
         self.gram += x.T @ x
         self.count += x.shape[0]
+
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / self.count
+
+    def covariance(self) -> torch.Tensor:
+        return self.gram / self.count
+
+    def cached(self, key: str, derive):
+        if key not in self.derived:
+            self.derived[key] = derive()
+        return self.derived[key]
+
+
+class _Calibration:
+    """What one Linear saw: its input's statistics (`_Inputs`, maybe shared) and the squared gradient of
+    the per-token loss w.r.t. its output (the diagonal empirical Fisher)."""
+
+    def __init__(self, out_features: int):
+        self.inputs: _Inputs | None = None
+        self.grad_sq = torch.zeros(out_features, dtype=torch.float64)
 
     def watch_output(self, module, args, output) -> None:
         """Forward hook: record the gradient that reaches this (batch, seq, out) output."""
@@ -255,14 +305,8 @@ class _Calibration:
         if output.requires_grad:
             output.register_hook(record_grad)
 
-    def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / self.count
-
-    def covariance(self) -> torch.Tensor:
-        return self.gram / self.count
-
     def fisher(self) -> torch.Tensor:
-        return self.grad_sq / self.count
+        return self.grad_sq / self.inputs.count
 
 
 def loss_curve(u, sigma, m, covariance, fisher) -> torch.Tensor:

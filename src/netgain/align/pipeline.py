@@ -10,7 +10,7 @@ variants can be built from the same dense model without calibrating again (the C
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from . import report, store
 from .compressor import Compressor
 from .config import AlignConfig
+from .phases import Phases, bar
 from .units import Unit, aligned_fraction, full_sizes, proposed_sizes, total_params
 
 
@@ -31,6 +32,7 @@ class Compression:
     sizes: dict[str, dict[str, int]]  # "dense", "raw", "round-nearest", "round-down", "gac" -> unit name -> size
     cost: object  # the cost model GAC used
     check: dict | None = None  # what `verify_gac` measured, if it ran
+    phases: Phases = field(default_factory=Phases)  # wall time per phase: the fit's, then sizing, checking
 
     @property
     def budget(self) -> int:
@@ -79,10 +81,11 @@ class Compression:
             self.check = {"ratio": 1.0, "low": 1.0, "high": 1.0, "kept": True, "same_as_round_down": True}
             return self.check
         losses = {}
-        for variant in ("gac", "round-down"):
-            candidate = self.build(model, variant)
-            losses[variant] = evaluate.chunk_losses(candidate, chunks)
-            del candidate
+        with self.phases.timed("GAC check"):
+            for variant in ("gac", "round-down"):
+                candidate = self.build(model, variant)
+                losses[variant] = evaluate.chunk_losses(candidate, chunks)
+                del candidate
         ratio, low, high = evaluate.paired_ratio(losses["gac"], losses["round-down"])
         self.check = {"ratio": ratio, "low": low, "high": high, "kept": ratio < 1.0, "same_as_round_down": False}
         if not self.check["kept"]:
@@ -113,19 +116,19 @@ def copy_model(model: nn.Module) -> nn.Module:
 
 def size(compressor: Compressor, config: AlignConfig, dtype: str = "float32", progress: bool = False) -> Compression:
     """Every variant's sizes from a fitted compressor at `config`'s ratio: one calibration serves many ratios."""
-    from tqdm import tqdm
-
     units = compressor.propose(config.param_ratio)
     cost = config.cost_model(dtype)
     sizes = {"dense": full_sizes(units), "raw": proposed_sizes(units)}
     for mode in ("nearest", "down"):
         sizes[f"round-{mode}"] = compressor.round_sizes(units, config.multiple, mode)
-    with tqdm(total=len(units), desc=f"GAC candidates ({cost.name})", unit="unit", disable=not progress) as bar:
+    # a measured cost times every candidate's kernels first, then the bar moves unit by unit
+    with compressor.phases.timed("GAC sizing (kernel timing, knapsack)"), \
+            bar(len(units), f"GAC candidates ({cost.name})", progress, unit="unit") as done:
         sizes["gac"] = compressor.select(units, cost, config.tokens, multiple=config.multiple, steps=config.steps,
-                                         tolerance=config.tolerance, progress=bar)
+                                         tolerance=config.tolerance, progress=done)
     if hasattr(cost, "save"):  # a measured kernel table: keep what was timed for the next run
         cost.save()
-    return Compression(config, compressor, units, sizes, cost)
+    return Compression(config, compressor, units, sizes, cost, phases=compressor.phases)
 
 
 def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, validation=None, inplace: bool = True,
@@ -136,16 +139,14 @@ def compress(model: nn.Module, calib, config: AlignConfig | None = None, *, vali
     calibration's domain, disjoint from calib; when given, GAC's sizes are kept only if they beat
     round-down's on them (`Compression.verify_gac`). The model is changed in place, like torchao's
     quantize_, unless inplace=False: then it stays dense and a copy is compressed.
-    progress: tqdm bars on stderr for the calibration and GAC's candidate costing.
+    progress: tqdm bars on stderr, with the time left, for the calibration and GAC's candidate costing;
+    `Compression.phases` says where the time went.
     """
     config = config or AlignConfig()
     if not isinstance(config, AlignConfig):
         raise ValueError(f"config must be an AlignConfig, got {type(config).__name__}")
-    from tqdm import tqdm
-
     compressor = config.compressor.build()
-    with tqdm(desc=f"calibrate ({compressor.method})", unit="step", disable=not progress) as bar:
-        compressor.fit(model, calib, progress=bar)
+    compressor.fit(model, calib, progress=progress)
     result = size(compressor, config, str(next(model.parameters()).dtype).removeprefix("torch."), progress)
     if validation:
         result.verify_gac(model, validation)

@@ -26,6 +26,7 @@ from torch import nn
 
 from .calibrate import loss_backward
 from .compressor import Compressor
+from .phases import bar
 from .lowrank import decoder_linears
 from .units import Unit, check_propose
 
@@ -147,13 +148,14 @@ class Pruner(Compressor):
             raise ValueError(f"importance must be one of {IMPORTANCE}, got {importance!r}")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        super().__init__()
         self.importance, self.scope, self.layers, self.heads = importance, scope, layers, heads
         self.salience: dict[str, torch.Tensor] = {}  # unit name -> salience per item (channel or KV group)
         self.ranking: dict[str, torch.return_types.sort] = {}  # unit name -> salience sorted high to low, and its items
         self.shapes: dict[str, dict] = {}  # unit name -> what its Unit needs
         self.fixed_params = 0  # decoder Linear parameters outside every unit (e.g. attention with one KV head)
 
-    def fit(self, model: nn.Module, batches, progress=None) -> None:
+    def fit(self, model: nn.Module, batches, progress: bool = False) -> None:
         """Score every prunable item: Taylor needs the LM loss's gradients on the calibration batches."""
         blocks = {
             name: block
@@ -181,7 +183,10 @@ class Pruner(Compressor):
         # gradients for the projection weights only (none for embeddings / LM head: memory)
         weights = frozenset(id(getattr(b, p).weight) for b in blocks.values() for p in ATTENTION_PROJECTIONS + MLP_PROJECTIONS if hasattr(b, p))
         model.zero_grad(set_to_none=True)
-        if not loss_backward(model, batches, weights, progress):
+        batches = list(batches)
+        with self.phases.timed("forward/backward passes"), bar(len(batches), "calibration passes", progress) as passes:
+            seen = loss_backward(model, batches, weights, passes)
+        if not seen:
             raise ValueError("Taylor importance needs calibration batches; none were given")
 
     @staticmethod

@@ -42,8 +42,9 @@ class SVDLLM(LowRank):
         super().__init__()
         self.jitter = jitter
 
-    def factorise(self, weight, calibration):
-        factor = cholesky(calibration.covariance(), self.jitter)  # float64
+    def factorise(self, weight, inputs):
+        # float64; q, k and v (gate and up) read one input: one factor
+        factor = inputs.cached("cholesky", lambda: cholesky(inputs.covariance(), self.jitter))
         u, sigma, vt = torch.linalg.svd(weight.double() @ factor, full_matrices=False)
         m = torch.linalg.solve_triangular(factor.T, vt.T, upper=True).T  # V^T L^-1
         return u.float(), sigma.float(), m.float()
