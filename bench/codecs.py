@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from netgain.comm import fused
+from netgain.comm import kernel
 from netgain.comm.calibrate import bucket_wire_bits, time_codec
 from netgain.comm.config import SETTINGS as VARIANTS, make_codec
 from provenance import git_commit, wait_for_quiet, write_csv
@@ -86,7 +86,7 @@ def main():
         return
 
     load = wait_for_quiet()
-    compiled = fused.compile_mode(torch.device("cpu")) != "eager"
+    compiled = kernel.compile_mode(torch.device("cpu")) != "eager"
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)

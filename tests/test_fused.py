@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import netgain.comm as comm
-from netgain.comm import fused
+from netgain.comm import fused, kernel
 from netgain.comm import quantize as Q
 from netgain.comm.codecs import Context
 from netgain.comm.feedback import EF21
@@ -194,13 +194,13 @@ def compile_jobs(monkeypatch):
     """The compile thread's queue, taken here: the test builds what it likes. Graphs begun in the test are
     dropped afterwards, so no later caller waits for a compile that never ran."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(fused, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
     jobs = []
-    monkeypatch.setattr(fused, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
-    monkeypatch.setattr(fused, "_compile_thread", "running")
-    before = [dict(cache) for cache in fused._KERNEL_CACHES]
+    monkeypatch.setattr(kernel, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
+    monkeypatch.setattr(kernel, "_compile_thread", "running")
+    before = [dict(cache) for cache in kernel._KERNEL_CACHES]
     yield jobs
-    for cache, kept in zip(fused._KERNEL_CACHES, before):
+    for cache, kept in zip(kernel._KERNEL_CACHES, before):
         cache.clear()
         cache.update(kept)
 
@@ -215,9 +215,9 @@ def test_first_calls_run_eagerly_while_the_compile_thread_works(compile_jobs):
     assert torch.equal(fused.cast_scaled(out, x, 0.3125), expected)  # eager, while compiling
     (graph, args, kwargs, threads), = compile_jobs
     assert not graph.ready.is_set() and args[0] is not out and torch.equal(args[1], x) and args[1] is not x
-    assert fused.compiling()
+    assert kernel.compiling()
     graph.build(args, kwargs, threads)
-    assert graph.ready.is_set() and not graph.failed and not fused.compiling()
+    assert graph.ready.is_set() and not graph.failed and not kernel.compiling()
     calls = []
     compiled = graph.compiled
     graph.compiled = lambda *a, **k: calls.append(1) or compiled(*a, **k)
@@ -237,11 +237,11 @@ def test_a_new_class_of_arguments_compiles_its_own_graph(compile_jobs):
 def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(fused, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
     x = torch.randn(4099)
     expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
     first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
-    fused.wait_for_compiles()
-    assert not fused.compiling()
+    kernel.wait_for_compiles()
+    assert not kernel.compiling()
     assert torch.equal(first, expected)
     assert torch.equal(fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875), expected)

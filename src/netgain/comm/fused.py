@@ -9,23 +9,11 @@ Randomness is counter-based: the stochastic-rounding noise of an element is a ha
 inside its parameter, keyed by (seed, parameter, step, rank). It holds no state to checkpoint,
 CPU and GPU agree, and it does not depend on how DDP groups parameters into buckets.
 
-`kernel(fn)` runs fn through torch.compile (C++ on CPU, Triton on GPU) where a compiler is
-present and NETGAIN_COMPILE is not 0, else eagerly. The maths is integer arithmetic, one float
-multiply per value and exact comparisons, so both paths give the same codes bit for bit, and a
-kernel's first calls run eagerly while a background thread compiles it (`compile_mode`): a job's
-first steps pay no compile stall.
+Each kernel runs compiled or eagerly, with the same bits either way (kernel.py says how).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import queue
-import shutil
-import threading
-import types
-import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -33,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from . import quantize as Q
+from .kernel import COMPILE_OPTIONS, kernel
 
-COMPILE_MODES = ("auto", "1", "0")
 ROW = 1024  # elements per row of a bucket's segment table (Segments)
 # Packed words of a bucket with fewer rows than this are all side words (`Words.main`): the packed row path
 # costs about ten compiled calls an encode + decode (two int32 halves, their join, one call per field), which
@@ -44,14 +32,6 @@ ROW = 1024  # elements per row of a bucket's segment table (Segments)
 # are one call a pass and keep their rows: per element they ran 1.7-3.4x slower at 65K elements in 8 parameters
 # (qsgd 0.29x, gqsgd-exp 0.38x, top-k 0.58x; bench/results/codec_ab_small_buckets.md).
 MIN_PACKED_ROWS = 100
-# INT_LOADS: inductor's C++ (torch 2.13, AVX2) loads an integer vector through a scalar copy, 3-5x slower
-# than a float load, so kernels take integer arrays as float bits (or floats) and convert inside.
-# Inductor stores a value that has two users and reads more than 4 inputs (realize_reads_threshold), then
-# reads it back in a second loop: a per-row pick reads 5-6 tables, so that split kernels in two (and the
-# read-back of int32 hits INT_LOADS). Recomputing is cheaper where it split: encode + decode at 4M elements,
-# 2 workers, 1 thread, two A B A B runs (bench/results/codec_ab_realize.md and its previous version): packed
-# int64 words 1.20x and 1.28x faster, gqsgd-exp 1.38x and 1.16x; int8 gqsgd 0.92x and 1.08x (no effect shown).
-COMPILE_OPTIONS = {"realize_reads_threshold": 64}
 # A kernel that packs fields computes every field's codes as one expression over (fields, rows, ROW) and
 # ORs its slices together: dynamo traces the rounding once, not once per field (a restarted job's compile,
 # warm cache, 4M elements, 2 threads: 2-bit 8.8-11.4 -> 2.6-3.2 s, packed 8-bit 5.8 -> 3.4-4.3 s). Inductor
@@ -59,171 +39,6 @@ COMPILE_OPTIONS = {"realize_reads_threshold": 64}
 # per million); never realizing keeps the one pass.
 PACK_OPTIONS = {**COMPILE_OPTIONS, "realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
 _M1, _M2 = 0x7FEB352D, 0x46CA68B  # odd multipliers < 2**31: int32 products wrap the same everywhere
-
-
-def compile_mode(device: torch.device) -> str:
-    """How kernels run on ``device``: "eager"; "now" (compile on the first call, which waits for it:
-    NETGAIN_COMPILE=1, and `compile_now()`); "background" (NETGAIN_COMPILE=auto where a compiler exists:
-    the first calls run eagerly while a thread compiles, so no step waits seconds for a compile)."""
-    mode = os.environ.get("NETGAIN_COMPILE", "auto")
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"NETGAIN_COMPILE={mode!r} is not one of {COMPILE_MODES}")
-    if mode == "0" or (mode == "auto" and not _compiler_present(device.type)):
-        return "eager"
-    return "now" if mode == "1" or getattr(_local, "now", False) else "background"
-
-
-@contextlib.contextmanager
-def compile_now():
-    """Kernels first called inside compile here and now (on this thread): what a timing of the compiled
-    path (time_codec, a codec's calibration) must run, not the eager path that serves while compiling."""
-    before, _local.now = getattr(_local, "now", False), True
-    try:
-        yield
-    finally:
-        _local.now = before
-
-
-@functools.cache
-def _compiler_present(device_type: str) -> bool:
-    """Triton for CUDA, a C compiler for CPU. Looked up once: every kernel call asks, and searching the
-    PATH for four compilers took 47-72 us a call against 2-4 us cached (5 alternating timings of 2,000
-    calls each; low rank makes 24 kernel calls a step)."""
-    if device_type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
-    return device_type == "cpu" and any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang"))
-
-
-_local = threading.local()
-_KERNEL_CACHES: list[dict] = []  # every kernel's compiled variants
-_compiles: queue.SimpleQueue = queue.SimpleQueue()  # (variant, args, kwargs) for the compile thread
-_compile_thread: threading.Thread | None = None
-_compile_lock = threading.Lock()
-
-
-def compiled_kernels() -> int:
-    """How many kernel variants this process has begun compiling."""
-    return sum(len(cache) for cache in _KERNEL_CACHES)
-
-
-def compiling() -> bool:
-    """A compile is in flight: kernels run eagerly meanwhile, so a step now is no steady-state step."""
-    return any(not variant.ready.is_set() for cache in list(_KERNEL_CACHES) for variant in list(cache.values()))
-
-
-def wait_for_compiles() -> None:
-    """Return once every compile begun so far has finished (benchmarks and tests of the compiled path)."""
-    for cache in list(_KERNEL_CACHES):
-        for variant in list(cache.values()):
-            variant.ready.wait()
-
-
-class _Variant:
-    """One graph of a kernel, compiled for one class of arguments; its calls run eagerly until it is ready."""
-
-    def __init__(self, fn, options):
-        self.fn, self.options = fn, options
-        self.compiled = None  # torch.compile's wrapper, made where it compiles (its first use imports inductor: seconds)
-        self.ready = threading.Event()
-        self.failed = False
-
-    def wrap(self) -> None:
-        self.compiled = torch.compile(_own_code(self.fn), dynamic=True, options=self.options)
-
-    def build(self, args, kwargs, threads: int) -> None:
-        """Compile by running on these arguments (copies of a real call's), on the compile thread, at the
-        caller's thread count (inductor's C++ bakes it in)."""
-        torch.set_num_threads(threads)
-        try:
-            self.wrap()
-            if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-                torch.cuda.synchronize()  # the copies were made on the caller's stream
-            self.compiled(*args, **kwargs)
-        except Exception as error:  # the eager path serves on; say why once
-            self.failed = True
-            warnings.warn(f"netgain: compiling a codec kernel failed ({type(error).__name__}: {error}); "
-                          "it runs eagerly", RuntimeWarning)
-        finally:
-            self.ready.set()
-
-
-def _compile_in_background(variant: _Variant, args, kwargs) -> None:
-    global _compile_thread
-    copies = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-    _compiles.put((variant, copies, kwargs, torch.get_num_threads()))
-    with _compile_lock:
-        if _compile_thread is None:  # a daemon: a run that ends never waits for a compile it no longer needs
-            _compile_thread = threading.Thread(target=_compile_loop, name="netgain-compile", daemon=True)
-            _compile_thread.start()
-
-
-def _compile_loop() -> None:
-    while True:
-        variant, args, kwargs, threads = _compiles.get()
-        variant.build(args, kwargs, threads)
-
-
-def _argument_class(args) -> tuple:
-    """What a dynamic-shape graph is specialised on, for the tensors among ``args``: dtype, rank, sizes 0
-    and 1 (torch.compile specialises them), which sizes are equal (it gives equal sizes one symbol), and
-    the other arguments' values. A call of another class would recompile, so it gets its own variant."""
-    sizes, classes = [], []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            classes.append((a.dtype, a.dim(), tuple(min(n, 2) for n in a.shape), a.is_contiguous()))
-            sizes.extend(a.shape)
-        else:
-            classes.append(a)
-    first = {}
-    return tuple(classes), tuple(first.setdefault(n, i) for i, n in enumerate(sizes) if n > 1)
-
-
-def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
-    """fn compiled (dynamic shapes: one compile serves every bucket size) or eager, chosen per device
-    (compile_mode); ``options``: inductor's, for this kernel (``@kernel(options=...)``); ``variant``: for a
-    kernel whose graph changes with its arguments (a loop unrolled over a dimension), a function of the
-    arguments naming the graph. Each variant compiles its own copy of fn: dynamo counts recompiles per code
-    object and runs a function eagerly once it has 8 graphs, which gqsgd's 7 bit widths x 2 word halves
-    reached, so that after a Kimad plan had visited other widths the 8-bit packing ran eagerly. Eager and
-    compiled give the same bits, so a call may take either path."""
-    if fn is None:
-        return functools.partial(kernel, options=options, variant=variant)
-    compiled: dict[tuple, _Variant] = {}
-    _KERNEL_CACHES.append(compiled)
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        mode = compile_mode(args[0].device)
-        if mode == "eager":
-            return fn(*args, **kwargs)
-        key = (variant(*args, **kwargs) if variant else None, _argument_class(args))
-        graph = compiled.get(key)
-        if graph is None:
-            graph = compiled[key] = _Variant(fn, options)
-            if mode == "now":
-                graph.wrap()  # torch.compile compiles on this first call
-                graph.ready.set()
-            else:
-                _compile_in_background(graph, args, kwargs)
-        elif mode == "now":
-            graph.ready.wait()  # begun in the background: this caller wants the compiled path
-        if graph.ready.is_set() and not graph.failed:
-            return graph.compiled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    run.eager = fn
-    return run
-
-
-def _own_code(fn):
-    """fn with a code object of its own, which dynamo caches and counts apart from fn's."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__qualname__, copy.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
-    return copy
 
 
 # ---- counter-based noise ----------------------------------------------------------------------

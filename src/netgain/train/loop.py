@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
-from netgain.comm import fused
+from netgain.comm import kernel
 from netgain.train.checkpoints import SHARDED_CHECKPOINT_FILE, read_checkpoint, read_sharded_checkpoint, resume_changes
 from netgain.train.config import TrainConfig
 from netgain.train.report import report
@@ -131,7 +131,7 @@ class Trainer:
         bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
         for step in bar:
             self.progress.beat(f"in step {step}")
-            compiled_before = fused.compiled_kernels()
+            compiled_before = kernel.compiled_kernels()
             start = time.perf_counter()
             loss = self.task.train_loss(self.model, step, self.rank, self.world_size, self.device)
             self.optimizer.zero_grad(set_to_none=True)
@@ -143,7 +143,7 @@ class Trainer:
             history["step"].append(step)
             history["step_s"].append(step_s)
             # a step that began a compile, or ran codecs eagerly while one was in flight, is not steady
-            history["compiled"].append(fused.compiled_kernels() > compiled_before or fused.compiling())
+            history["compiled"].append(kernel.compiled_kernels() > compiled_before or kernel.compiling())
             history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
             adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()
