@@ -36,8 +36,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             importlib.import_module(module).configure(p)
         p.set_defaults(_module=module)
-    # netgain.cost knows no codecs: `netgain model` gets their profiles from netgain.comm, as data
-    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles)
+    # netgain.cost knows no codecs nor align: `netgain model` gets the codecs' profiles from netgain.comm, as
+    # data, and netgain.align's model types (a compressed folder counts its real layers) as a call
+    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles, model_types=_align_model_types)
     return parser
 
 
@@ -45,6 +46,12 @@ def _candidate_profiles(world_size, cost, shapes=None):
     from netgain.comm.config import candidate_profiles
 
     return candidate_profiles(world_size, cost, shapes)
+
+
+def _align_model_types():
+    from netgain.align.hf import register
+
+    register()
 
 
 def main(argv: list[str] | None = None) -> int:

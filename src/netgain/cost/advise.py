@@ -87,17 +87,19 @@ def _number(text: str | None, kind):
         return None
 
 
-def count_parameters(model_dir: str) -> list[tuple[int, ...]]:
+def count_parameters(model_dir: str, register_types=None) -> list[tuple[int, ...]]:
     """Parameter shapes of a Hugging Face model folder, in registration order (DDP's bucket order).
 
     Builds the architecture from config.json on the meta device (no weights read); folders whose
     architecture transformers cannot build are counted from their safetensors headers instead.
+    ``register_types``: called first, to register model types transformers does not know (the CLI passes
+    netgain.align's, so a compressed folder builds with its real layers; netgain.cost knows no align).
     """
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"--model: {model_dir!r} is not a folder")
     try:
-        return _meta_parameter_sizes(path)
+        return _meta_parameter_sizes(path, register_types)
     except (ValueError, OSError, KeyError) as error:
         sizes = _safetensors_sizes(path)
         if not sizes:
@@ -106,13 +108,12 @@ def count_parameters(model_dir: str) -> list[tuple[int, ...]]:
         return sizes
 
 
-def _meta_parameter_sizes(path: Path) -> list[int]:
+def _meta_parameter_sizes(path: Path, register_types=None) -> list[int]:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from ..align.hf import register
-
-    register()  # a folder netgain align wrote builds with its real (factorised, pruned) layers
+    if register_types is not None:
+        register_types()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         try:
@@ -344,7 +345,7 @@ def run(args) -> int:
     if args.compute_ms is None and gpu is None:
         raise ValueError("on cpu (--gpu cpu, or a lab --link) give --compute-ms: there is no FLOP-rate estimate for CPUs")
 
-    shapes = count_parameters(args.model) if args.model else None
+    shapes = count_parameters(args.model, args.model_types) if args.model else None
     sizes = [math.prod(shape) for shape in shapes] if shapes else None
     params = sum(sizes) if sizes else args.params
     if params < 1:
