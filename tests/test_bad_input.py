@@ -4,24 +4,33 @@ any worker starts; signals and silent peers end a run instead of hanging it."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
+import secrets
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from netgain import cli
-from netgain.train.checkpoints import SHARDED_CHECKPOINT_FILE, resume_changes
+from netgain import cli, models
+from netgain.files import RUN_MARKER, WriteError, require_claimed
+from netgain.train.checkpoints import (CHECKPOINT_ID, SHARDED_CHECKPOINT_FILE, checkpoint_paths,
+                                       finish_sharded_checkpoint, resume_changes, sharded_partial_path,
+                                       write_checkpoint)
 from netgain.train.cli import build_config, configure, prepare_outputs
 from netgain.train.config import TrainConfig
 from netgain.train.launch import worker_failure
 from netgain.train.loop import SilenceNotice
+from netgain.train.tasks import LanguageModelTask
 
 CPUS = os.cpu_count() or 1
 needs_proc_children = pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
@@ -58,6 +67,7 @@ def config(*argv: str) -> TrainConfig:
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--world-size", "0"], "--world-size must be at least 1, got 0"),
     (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    (["--seq-len", "1"], "--seq-len must be at least 2 (each byte is predicted from those before it"),
     (["--warmup-steps", "-1"], "--warmup-steps must be 0 or more, got -1"),
     (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
     (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
@@ -65,8 +75,11 @@ def config(*argv: str) -> TrainConfig:
     (["--checkpoint-every", "2"], "more than 0 needs --checkpoint, got 2"),
     (["--hidden-size", "100"], "--hidden-size must be a multiple of 32 and at least 64, got 100"),
     (["--layers", "0"], "--layers must be at least 1, got 0"),
-    (["--collective-timeout", "0"], "--collective-timeout must be a finite number of seconds > 0, got 0.0"),
-    (["--collective-timeout", "inf"], "--collective-timeout must be a finite number of seconds > 0, got inf"),
+    (["--collective-timeout", "0"], "--collective-timeout must be 1..86400 seconds, got 0.0"),
+    (["--collective-timeout", "0.001"], "--collective-timeout must be 1..86400 seconds, got 0.001"),
+    (["--collective-timeout", "1e15"], "--collective-timeout must be 1..86400 seconds, got 1000000000000000.0"),
+    (["--collective-timeout", "inf"], "--collective-timeout must be 1..86400 seconds, got inf"),
+    (["--collective-timeout", "nan"], "--collective-timeout must be 1..86400 seconds, got nan"),
     (["--world-size", str(4 * CPUS + 1)], f"at most {4 * CPUS} local workers on this machine's {CPUS} CPUs"),
     (["--task", "digits", "--data", "corpus.txt"], "--data applies to --task lm only"),
 ])
@@ -105,6 +118,76 @@ def test_empty_data_folder(tmp_path):
         config("--data", str(tmp_path))
 
 
+# ------------------------------------------------------------------ sizes, before any worker allocates
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["--layers", "100000"], "--hidden-size 192 --layers 100000 --seq-len 128 --batch-size 16"),
+    (["--hidden-size", "1048576"], "--hidden-size 1048576 --layers 4"),
+    (["--seq-len", "1000000000"], "--seq-len 1000000000"),
+    (["--batch-size", "100000000000"], "--batch-size 100000000000"),
+    (["--task", "digits", "--batch-size", "100000000000"], "--batch-size 100000000000"),
+])
+def test_sizes_beyond_memory_are_refused_in_the_parent(argv, flags):
+    with pytest.raises(ValueError) as error:
+        config(*argv)
+    assert flags in str(error.value) and "each worker needs at least" in str(error.value)
+    assert "more than this machine's memory" in str(error.value)
+
+
+def test_parameters_are_counted_without_building_the_model():
+    for hidden, layers in ((64, 1), (96, 3), (192, 4)):
+        shape = config("--hidden-size", str(hidden), "--layers", str(layers))
+        assert LanguageModelTask.parameter_count(shape) == models.parameter_count(models.byte_llama(hidden, layers, 8))
+
+
+def test_many_steps_are_counted_not_looped_over(tmp_path):
+    """--steps 10000000000 to one checkpoint path is one path; '{step}' paths are counted, and bounded."""
+    assert config("--steps", "10000000000", "--checkpoint", str(tmp_path / "ck.pt")).steps == 10_000_000_000
+    with pytest.raises(ValueError, match="--checkpoint-every 1 writes 10,000,000,000 files to --checkpoint .*ck-"):
+        config("--steps", "10000000000", "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--checkpoint-every", "1")
+    every = config("--steps", "10", "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--checkpoint-every", "3")
+    assert list(checkpoint_paths(every, start=3).values()) == [6, 9, 10]
+
+
+# ------------------------------------------------------------------ paths that are no regular file
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("fifo", "is a FIFO (named pipe), not a regular file"),
+    ("/dev/zero", "is a character device, not a regular file"),
+])
+def test_resume_reads_only_a_regular_file(tmp_path, kind, message):
+    """Checked before anything opens it: a FIFO blocked forever, /dev/zero read 18 GB."""
+    path = tmp_path / "ck.pt"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path(kind)
+    with pytest.raises(ValueError, match=re.escape(f"--resume {path} {message}")):
+        config("--resume", str(path))
+
+
+def test_fifo_in_a_checkpoint_folder_is_refused(tmp_path):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    os.mkfifo(folder / SHARDED_CHECKPOINT_FILE)
+    with pytest.raises(ValueError, match="netgain.json is a FIFO"):
+        config(*FSDP, "--resume", str(folder))
+
+
+@pytest.mark.parametrize("flag", ["--data", "--resume"])
+def test_files_larger_than_memory_are_refused_before_reading(tmp_path, monkeypatch, flag):
+    """A sparse 2 GB file on a machine of 512 MB: refused by its size, before a byte is read."""
+    path = tmp_path / "big"
+    with open(path, "wb") as f:
+        f.truncate(2 * 10**9)
+    for module in ("netgain.train.cli", "netgain.train.checkpoints"):
+        monkeypatch.setattr(f"{module}.machine_memory_bytes", lambda: 512 * 10**6)
+    with pytest.raises(ValueError, match=f"{flag} {path} is 2 GB, more than the"):
+        config(flag, str(path))
+
+
 # ------------------------------------------------------------------ outputs
 
 
@@ -131,6 +214,44 @@ def test_read_only_out_fails_before_training(tmp_path):
         tmp_path.chmod(0o700)
 
 
+def test_out_holding_an_earlier_run_is_not_written_over(tmp_path):
+    (tmp_path / "record.json").write_text("earlier")
+    (tmp_path / "loss.png").write_text("earlier")
+    with pytest.raises(ValueError, match=r"--out .* holds an earlier run's record.json, loss.png; netgain does not "
+                       "write over them: give a new folder"):
+        prepare_outputs(config("--out", str(tmp_path)))
+    assert (tmp_path / "record.json").read_text() == "earlier" and not (tmp_path / RUN_MARKER).exists()
+
+
+def test_out_is_claimed_by_one_run_with_its_own_id(tmp_path):
+    """The marker names the run; a second run is refused, and a run writes its report only under its marker."""
+    run = prepare_outputs(config("--out", str(tmp_path / "run")))
+    assert json.loads((tmp_path / "run" / RUN_MARKER).read_text()) == {"run": run.run_id} and len(run.run_id) == 32
+    with pytest.raises(ValueError, match=f"holds the {RUN_MARKER} of a run that is still going or stopped before "
+                       "its report: give a new folder, or remove that file"):
+        prepare_outputs(config("--out", str(tmp_path / "run")))
+    require_claimed(tmp_path / "run", run.run_id)
+    (tmp_path / "run" / RUN_MARKER).write_text(json.dumps({"run": "another"}))
+    with pytest.raises(WriteError, match=f"not writing into .*run: its {RUN_MARKER} no longer names this run"):
+        require_claimed(tmp_path / "run", run.run_id)
+
+
+@pytest.mark.parametrize("checkpoint, clash", [
+    ("run", "--out .*run at step 300"),
+    ("run/record.json", "--out's record.json at step 300"),
+    ("alias/run/loss.png", "--out's loss.png at step 300"),
+    ("run/ck-{step}.pt", None),
+])
+def test_checkpoint_on_out_or_its_files_is_refused_up_front(tmp_path, checkpoint, clash):
+    (tmp_path / "alias").symlink_to(tmp_path)
+    argv = ("--out", str(tmp_path / "run"), "--checkpoint", str(tmp_path / checkpoint))
+    if clash is None:
+        assert prepare_outputs(config(*argv)).checkpoint
+        return
+    with pytest.raises(ValueError, match=f"--checkpoint .* would write over {clash}: give them different paths"):
+        prepare_outputs(config(*argv))
+
+
 def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
@@ -143,11 +264,22 @@ def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeyp
 
 
 def fake_checkpoint(path: Path, step: int = 4, world_size: int = 2, **settings) -> Path:
-    """What check_resume reads of a checkpoint: its config, step and world size."""
+    """What check_resume reads of a checkpoint (its config, step and world size), written as the Trainer
+    writes one, with a tensor whose bits a test can flip."""
     saved = asdict(config(*[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
-    torch.save({"step": step, "world_size": world_size, "config": saved, "model": {}, "optimizer": {},
-                "comm": []}, path)
+    write_checkpoint(path, {"step": step, "world_size": world_size, "config": saved,
+                            "model": {"weight": torch.linspace(0, 1, 64)}, "optimizer": {}, "comm": []})
     return path
+
+
+def flip_a_bit(path: Path, entry: str = "data/0", at: int = 10) -> None:
+    """Flip one bit in a zip entry's stored bytes (an exponent bit of a float32 in a torch.save file)."""
+    with zipfile.ZipFile(path) as archive:
+        offset = next(i for i in archive.infolist() if i.filename.endswith(entry)).header_offset
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[offset + 26:offset + 30])  # the local file header's
+    data[offset + 30 + name_length + extra_length + at] ^= 0x40
+    path.write_bytes(data)
 
 
 class RunsCode:
@@ -211,6 +343,46 @@ def test_resume_does_not_overwrite_its_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="would overwrite --resume .*ck-8.pt at step 8"):
         config("--resume", str(misnamed), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8")
     assert config("--resume", str(path), "--checkpoint", str(tmp_path / "ck-{step}.pt"), "--steps", "8").checkpoint
+
+
+def test_checkpoint_that_is_the_resume_file_by_another_name_is_refused(tmp_path):
+    """The same file through a hard link or a linked folder: compared by inode, not by path."""
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    os.link(path, tmp_path / "hard.pt")
+    (tmp_path / "alias").symlink_to(tmp_path)
+    for other in (tmp_path / "hard.pt", tmp_path / "alias" / "ck.pt"):
+        with pytest.raises(ValueError, match=f"--checkpoint {other} would overwrite --resume .*ck.pt at step 300"):
+            config("--resume", str(path), "--checkpoint", str(other))
+
+
+def test_checkpoint_write_leaves_a_users_partial_file_alone(tmp_path):
+    (tmp_path / "ck.pt.partial").write_text("mine")
+    fake_checkpoint(tmp_path / "ck.pt")
+    fake_checkpoint(tmp_path / "ck.pt", step=8)
+    assert (tmp_path / "ck.pt.partial").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "ck.pt.partial"]
+
+
+def test_disk_full_keeps_the_earlier_checkpoint_and_says_so_in_one_line(tmp_path, monkeypatch):
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    before = path.read_bytes()
+
+    def disk_full(obj, file):
+        file.write(b"the first bytes")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(WriteError) as error:
+        fake_checkpoint(path, step=8)
+    assert str(error.value) == f"cannot write {path}: No space left on device (the earlier file is unchanged)"
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_a_user_file_put_at_the_checkpoint_path_during_the_run_is_not_replaced(tmp_path):
+    (tmp_path / "ck.pt").write_text("mine")
+    with pytest.raises(WriteError, match="cannot write the checkpoint .*ck.pt: something that is not a netgain"):
+        write_checkpoint(tmp_path / "ck.pt", {})
+    assert (tmp_path / "ck.pt").read_text() == "mine"
 
 
 def test_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
@@ -279,21 +451,37 @@ def test_fsdp_world_size_is_replicas_times_shards(monkeypatch):
         config(*FSDP)
 
 
+def fake_sharded_checkpoint(folder: Path, step: int = 4, **settings) -> Path:
+    """An --fsdp checkpoint as rank 0 finishes one: a shard file (DCP's) and the manifest beside it."""
+    saved = asdict(config(*FSDP, *[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
+    partial = sharded_partial_path(folder, secrets.token_hex(8))
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(bytes(range(256)))
+    finish_sharded_checkpoint(partial, folder, step, 4, saved)
+    return folder
+
+
 def test_fsdp_checkpoint_does_not_replace_a_folder_that_is_not_one(tmp_path):
+    """A folder is netgain's checkpoint by the id in its manifest: not by holding a file named netgain.json."""
     (tmp_path / "mine").mkdir()
-    with pytest.raises(ValueError, match="--checkpoint .*mine exists and is not a netgain --fsdp checkpoint"):
-        config(*FSDP, "--checkpoint", str(tmp_path / "mine"))
-    (tmp_path / "ck-4").mkdir()
-    (tmp_path / "ck-4" / SHARDED_CHECKPOINT_FILE).write_text("{}")
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / SHARDED_CHECKPOINT_FILE).write_text(json.dumps({"step": 4, "world_size": 4, "config": {}}))
+    for name in ("mine", "users"):
+        with pytest.raises(ValueError, match=f"--checkpoint .*{name} exists and is not a netgain --fsdp checkpoint"):
+            config(*FSDP, "--checkpoint", str(tmp_path / name))
+    fake_sharded_checkpoint(tmp_path / "ck-4")
     assert config(*FSDP, "--checkpoint", str(tmp_path / "ck-{step}"), "--steps", "4").checkpoint
 
 
-def fake_sharded_checkpoint(folder: Path, step: int = 4, **settings) -> Path:
-    """What check_resume reads of an --fsdp checkpoint: the JSON next to DCP's files."""
-    folder.mkdir()
-    saved = asdict(config(*FSDP, *[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
-    (folder / SHARDED_CHECKPOINT_FILE).write_text(json.dumps({"step": step, "world_size": 4, "config": saved}))
-    return folder
+def test_replacing_an_fsdp_checkpoint_removes_only_the_files_it_wrote(tmp_path, capsys):
+    path = fake_sharded_checkpoint(tmp_path / "ck")
+    (path / "notes.txt").write_text("mine")
+    fake_sharded_checkpoint(path, step=8)
+    assert json.loads((path / SHARDED_CHECKPOINT_FILE).read_text())["step"] == 8
+    assert sorted(p.name for p in path.iterdir()) == ["__0_0.distcp", SHARDED_CHECKPOINT_FILE]
+    kept = [p for p in tmp_path.iterdir() if p != path]
+    assert [sorted(p.name for p in folder.iterdir()) for folder in kept] == [["notes.txt"]]
+    assert f"kept {kept[0]}: the files in the earlier checkpoint {path} that netgain did not write" in capsys.readouterr().err
 
 
 def test_resume_across_ddp_and_fsdp_is_refused(tmp_path):
@@ -314,6 +502,41 @@ def test_fsdp_resume_refuses_another_mesh_or_codec(tmp_path, argv, message):
     with pytest.raises(ValueError) as error:
         config("--resume", str(path), *argv)
     assert message in str(error.value)
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path):
+    """Found by the zip's CRC-32 (torch.load alone returns the changed weight), or an --fsdp file's SHA-256."""
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    flip_a_bit(path)
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["weight"], torch.linspace(0, 1, 64))
+    with pytest.raises(ValueError, match=r"--resume .*ck.pt: .*/data/0 fails its CRC-32 check: the checkpoint is damaged"):
+        config("--resume", str(path))
+    folder = fake_sharded_checkpoint(tmp_path / "sharded")
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(bytes([shard.read_bytes()[0] ^ 1]) + shard.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sharded: __0_0.distcp does not match the SHA-256 in its netgain.json"):
+        config(*FSDP, "--resume", str(folder))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("step", "two", "step 'two'"),
+    ("step", True, "step True"),
+    ("world_size", 0, "world_size 0"),
+    ("config", [], "config []"),
+    ("config", {"lr": [1]}, "config {'lr': [1]}"),
+    ("config", {"warmup_steps": "2"}, "config.warmup_steps '2'"),
+    ("config", {"fsdp": "yes"}, "config.fsdp 'yes'"),
+    (CHECKPOINT_ID, 5, f"{CHECKPOINT_ID} 5"),
+    ("files", {"../secret": "0"}, "files must map names in the folder to SHA-256 digests"),
+    ("files", [], "files must map names in the folder to SHA-256 digests"),
+])
+def test_hostile_fields_in_an_fsdp_manifest_are_named(tmp_path, field, value, message):
+    folder = fake_sharded_checkpoint(tmp_path / "ck")
+    manifest = json.loads((folder / SHARDED_CHECKPOINT_FILE).read_text())
+    (folder / SHARDED_CHECKPOINT_FILE).write_text(json.dumps({**manifest, field: value}))
+    with pytest.raises(ValueError) as error:
+        config(*FSDP, "--resume", str(folder))
+    assert f"--resume {folder}" in str(error.value) and message in str(error.value)
 
 
 def test_fsdp_checkpoint_folder_without_its_json_is_named(tmp_path):
@@ -486,6 +709,27 @@ def test_signal_to_the_parent_stops_it_and_its_workers(tmp_path, start_train, si
     while any(map(alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(alive, workers))
+
+
+def _descendants(pid: int) -> list[int]:
+    return [d for child in _children(pid) for d in (child, *_descendants(child))]
+
+
+@needs_proc_children
+def test_kill_9_of_the_parent_leaves_no_process_running(tmp_path, start_train):
+    """The forkserver and every worker are gone within 10 s of the parent's SIGKILL (no signal handler runs)."""
+    run = start_train("--task", "digits", "--steps", "100000", "--eval-every", "0", "--out", str(tmp_path))
+    run.wait_for("%|", timeout=60)
+    descendants = _descendants(run.proc.pid)
+    assert len(run.workers()) == 2 and set(run.workers()) <= set(descendants)
+    run.proc.kill()
+    deadline = time.monotonic() + 10
+    while any(map(alive, descendants)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in descendants if alive(pid)]
+    for pid in survivors:  # the parent's gone, so the fixture cannot find them
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, run.err
 
 
 def test_worker_failure_line_names_the_exception_and_the_timeout():

@@ -87,6 +87,15 @@ def test_versus_fp32_without_a_link_or_a_peer_says_why():
         "no communication (1 worker): nothing for a codec to compress, fp32 included"]
 
 
+def test_a_diverged_loss_ends_the_run_in_one_line(tmp_path, capsys):
+    """--lr 1e30 overflows the weights after one step: a NaN train loss fails the run (it exited 0 before)."""
+    assert run_train("--task", "digits", "--codec", "none", "--lr", "1e30", "--steps", "20", "--eval-every", "0",
+                     "--out", str(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "failed: netgain.train.loop.NonFiniteLossError: rank " in err and "the run diverged (a lower --lr?)" in err
+    assert "Traceback" not in err and not (tmp_path / "record.json").exists()
+
+
 @pytest.mark.parametrize("codec", ["gqsgd", "topk", "lowrank"])
 def test_resume_equals_straight_run(tmp_path, codec):
     """8 steps straight == resuming its step-4 checkpoint in fresh processes for 4 more steps.

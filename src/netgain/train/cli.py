@@ -15,16 +15,21 @@ from pathlib import Path
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
 from netgain import data, models
-from netgain.train.checkpoints import check_checkpoint_paths, check_resume, read_checkpoint, resume_changes
+from netgain.files import RUN_MARKER, claim_folder, in_bytes, machine_memory_bytes, require_regular_file, same_file
+from netgain.train.checkpoints import (check_checkpoint_paths, check_resume, checkpoint_paths, read_checkpoint,
+                                       resume_changes, verify_checkpoint)
 from netgain.train.config import TrainConfig, flag
 from netgain.train.launch import launched_by_torchrun, spawn_workers
 from netgain.train.loop import SILENCE_NOTICE_S, train_worker
+from netgain.train.report import OUTPUT_FILES
+from netgain.train.tasks import TASK_CLASSES
 
 TASKS = ("lm", "digits")
 DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (why: --codec's help)
 COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
+COLLECTIVE_TIMEOUT_RANGE = (1, 86_400)  # under 1 s the silence notice would fire every few ms; a day is plenty
 LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
 DEFAULT_WORLD_SIZE = 2
 
@@ -76,19 +81,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seeds the initialisation, every batch (with the step and rank) and the codecs' noise")
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
-    parser.add_argument("--out", help="output folder for record.json and loss.png "
-                        "(default runs/<codec>-<time>, with a suffix if that folder exists)")
+    parser.add_argument("--out", help="output folder for record.json and loss.png, claimed by the run (a folder "
+                        "holding an earlier run's files is refused; default runs/<codec>-<time>, with a suffix if "
+                        "that folder exists)")
     parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
                         "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step; "
                         "with --fsdp a torch.distributed.checkpoint folder")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint (--lr, --batch-size "
-                        "and --data may differ, and are announced; other settings must match)")
+    parser.add_argument("--resume", help="continue from a checkpoint written by --checkpoint, its checksums "
+                        "verified first (--lr, --batch-size and --data may differ, and are announced; other settings "
+                        "must match)")
     parser.add_argument("--hidden-size", type=int, default=192, help="lm model width")
     parser.add_argument("--layers", type=int, default=4, help="lm decoder layers")
-    parser.add_argument("--seq-len", type=int, default=128, help="lm sequence length in bytes")
+    parser.add_argument("--seq-len", type=int, default=128, help="lm sequence length in bytes, at least 2")
     parser.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
-                        help=f"seconds a rank waits for a silent peer before the run fails (default "
+                        help=f"seconds a rank waits for a silent peer before the run fails, "
+                        f"{COLLECTIVE_TIMEOUT_RANGE[0]}..{COLLECTIVE_TIMEOUT_RANGE[1]} (default "
                         f"{COLLECTIVE_TIMEOUT_S}); a rank without progress says so after "
                         f"{SILENCE_NOTICE_S} s (or half this timeout)")
 
@@ -109,7 +117,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's settings, every one checked here in the parent, before any worker starts."""
     world_size = resolve_world_size(args)
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
-    checkpoint = read_checkpoint(args.resume) if args.resume else None  # read once for every check below
+    if args.resume:  # read once for every check below, its bytes checked before any worker trusts them
+        checkpoint = read_checkpoint(args.resume)
+        verify_checkpoint(args.resume)
+    else:
+        checkpoint = None
     warmup_steps = args.warmup_steps
     if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
         saved = checkpoint["config"].get("warmup_steps") if checkpoint else None
@@ -130,6 +142,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_numbers(config)
     if not launched_by_torchrun():
         check_local_world_size(config.world_size)
+    check_memory(config)
     check_data(config)
     if config.fsdp:
         check_fsdp(config, checkpoint)
@@ -178,8 +191,9 @@ def check_numbers(c: TrainConfig) -> None:
         _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
     _require(0 <= c.seed < 2**32, "seed", f"must be in 0..{2**32 - 1}", c.seed)
     _require(math.isfinite(c.lr) and c.lr > 0, "lr", "must be a finite number > 0", c.lr)
-    _require(math.isfinite(c.collective_timeout) and c.collective_timeout > 0, "collective_timeout",
-             "must be a finite number of seconds > 0", c.collective_timeout)
+    low, high = COLLECTIVE_TIMEOUT_RANGE
+    _require(low <= c.collective_timeout <= high, "collective_timeout", f"must be {low}..{high} seconds",
+             c.collective_timeout)
     _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
              "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
     _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
@@ -192,6 +206,8 @@ def check_numbers(c: TrainConfig) -> None:
     _require(c.checkpoint_every == 0 or (c.checkpoint_every > 0 and c.checkpoint), "checkpoint_every",
              "must be 0 or more, and more than 0 needs --checkpoint", c.checkpoint_every)
     if c.task == "lm":
+        _require(c.seq_len >= 2, "seq_len", "must be at least 2 (each byte is predicted from those before it: "
+                 "a sequence of 1 has nothing to learn and a NaN loss)", c.seq_len)
         models.check_byte_llama(c.hidden_size, c.layers)
 
 
@@ -205,22 +221,60 @@ def check_local_world_size(world_size: int) -> None:
                          "the cores); for more ranks, launch under torchrun on more machines")
 
 
+def check_memory(c: TrainConfig) -> None:
+    """The model, its training state and activations must fit: counted from the settings here, before a
+    worker allocates (--layers 100000 ran for minutes, --hidden-size 1048576 failed in the workers)."""
+    task = TASK_CLASSES[c.task]
+    per_worker = task.memory_bytes(c)
+    workers, limit, memory = _memory_per_machine(c)
+    if per_worker * workers > limit:
+        shape = " ".join(f"{flag(name)} {getattr(c, name)}" for name in task.SHAPE)
+        raise ValueError(f"{shape}: each worker needs at least {in_bytes(per_worker)} (fp32 parameters, gradients, "
+                         f"AdamW state and activations), x {workers} worker(s) here, more than {memory} "
+                         f"({in_bytes(limit)}): make them smaller")
+
+
+def _memory_per_machine(c: TrainConfig) -> tuple[int, int, str]:
+    """(workers sharing it, bytes, in words): local workers share this machine's memory; a torchrun rank on
+    CUDA has its GPU's."""
+    if not launched_by_torchrun():
+        return c.world_size, machine_memory_bytes(), "this machine's memory"
+    import torch
+
+    if torch.cuda.is_available():
+        return 1, torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory, "its GPU's memory"
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)), machine_memory_bytes(), "this machine's memory"
+
+
 def check_data(c: TrainConfig) -> None:
-    """--data must exist and hold a sequence per rank and for validation (the stdlib source does)."""
+    """--data must be regular files that fit in memory (the parent and every worker hold the text), and
+    hold a sequence per rank and for validation (the stdlib source does)."""
     if c.data is None:
         return
     if c.task != "lm":
         raise ValueError("--data applies to --task lm only")
+    files = data.text_files(c.data)
+    limit = machine_memory_bytes() // (c.world_size + 1)
+    total = sum(require_regular_file(file, "--data", limit) for file in files)
+    if total > limit:
+        raise ValueError(f"--data {c.data} holds {in_bytes(total)} of text, more than the {in_bytes(limit)} that "
+                         f"this machine's memory holds for the parent and each of {c.world_size} workers")
     try:
-        corpus = data.ByteCorpus.from_files(data.text_files(c.data))
+        corpus = data.ByteCorpus.from_files(files)
     except OSError as error:
         raise ValueError(f"--data {c.data}: cannot read {error.filename} ({error.strerror})") from error
     corpus.require_sequences(c.world_size, c.seq_len, f"--data {c.data}")
 
 
 def prepare_outputs(c: TrainConfig) -> TrainConfig:
-    """Make --out (or a fresh default folder) and check that it and --checkpoint's folder take files."""
+    """Make --out (or a fresh default folder) and claim it for this run, after checking that it and
+    --checkpoint's folder take files and that no checkpoint would land on --out or its files."""
     out = Path(c.out) if c.out else _new_run_folder(c.codec)
+    ours = {out: f"--out {out}", **{out / name: f"--out's {name}" for name in (RUN_MARKER, *OUTPUT_FILES)}}
+    for path, step in checkpoint_paths(c, 0).items():
+        clash = next((what for target, what in ours.items() if same_file(path, target)), None)
+        if clash:
+            raise ValueError(f"--checkpoint {path} would write over {clash} at step {step}: give them different paths")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -231,7 +285,7 @@ def prepare_outputs(c: TrainConfig) -> TrainConfig:
         while not folder.exists():
             folder = folder.parent
         _require_writable(folder, "--checkpoint")
-    return replace(c, out=str(out))
+    return replace(c, out=str(out), run_id=claim_folder(out, "--out", OUTPUT_FILES))
 
 
 def _new_run_folder(codec: str) -> Path:

@@ -37,6 +37,7 @@ class TrainConfig:
     layers: int
     seq_len: int
     collective_timeout: float
+    run_id: str = ""  # set by prepare_outputs: the id in --out's marker (files.RUN_MARKER), rank 0's only
 
 
 def flag(name: str) -> str:

@@ -3,11 +3,13 @@ torchrun; signals and a failed worker stop them all."""
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import re
 import signal
 import socket
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -18,6 +20,8 @@ from netgain.train.loop import train_worker
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WORKER_GRACE_S = 2  # after a worker fails or a signal, the others get this long to exit before SIGKILL
+# a worker's failures whose message says it all (a full disk, a diverged loss): one line, no traceback above it
+EXPLAINED_ERRORS = ("WriteError", "NonFiniteLossError")
 
 
 def launched_by_torchrun() -> bool:
@@ -39,8 +43,31 @@ def worker_start_method() -> str:
     (pytest's capfd) gets the second run's output where the first's went."""
     if "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return "spawn"
-    torch.multiprocessing.set_forkserver_preload(["netgain.train.loop"])  # no effect on a server already running
+    torch.multiprocessing.set_forkserver_preload(["netgain.train.launch"])  # no effect on a server already running
     return "forkserver"
+
+
+def exit_with_parent() -> None:
+    """SIGKILL this worker as soon as the process that started it is gone, however it went (kill -9
+    included): a worker's parent is the forkserver, which lives on while any worker does, so neither
+    the kernel's parent-death signal nor the forkserver ends it. multiprocessing's parent sentinel
+    is a pipe whose write end only the starting process holds: EOF when it exits, at once if it
+    already has. The forkserver exits by itself once its last worker is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not started by multiprocessing (torchrun's rank): torchrun watches it
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="netgain-exit-with-parent", daemon=True).start()
+
+
+def local_worker(rank: int, world_size: int, config: TrainConfig, init_method: str) -> None:
+    """One spawned worker: it dies with `netgain train`, and trains as a local rank."""
+    exit_with_parent()
+    train_worker(rank, world_size, config, init_method, local=True)
 
 
 def spawn_workers(config: TrainConfig) -> int:
@@ -50,14 +77,15 @@ def spawn_workers(config: TrainConfig) -> int:
     received: list[int] = []
     with _record_signals(received):
         context = torch.multiprocessing.start_processes(
-            train_worker, args=(config.world_size, config, init_method, True), nprocs=config.world_size,
+            local_worker, args=(config.world_size, config, init_method), nprocs=config.world_size,
             join=False, start_method=worker_start_method())
         try:
             while not received:
                 if context.join(timeout=0.2, grace_period=WORKER_GRACE_S):
                     return 0
         except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
-            print(f"{error}\n{worker_failure(error, config)}", file=sys.stderr)
+            explained = _reason(error).split(":")[0].split(".")[-1] in EXPLAINED_ERRORS
+            print(("" if explained else f"{error}\n") + worker_failure(error, config), file=sys.stderr)
             return 1
         stop_workers(context.processes)
     name = signal.Signals(received[0]).name
@@ -67,13 +95,17 @@ def spawn_workers(config: TrainConfig) -> int:
 
 def worker_failure(error: Exception, config: TrainConfig) -> str:
     """One closing line under the worker's traceback: which worker, and why (its last exception line)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)),
-                  lines[-1] if lines else "")
-    line = f"netgain train: worker {error.error_index} failed: {reason}"
+    line = f"netgain train: worker {error.error_index} failed: {_reason(error)}"
     if re.search(r"timed out|timeout", str(error), re.IGNORECASE):  # gloo and NCCL word it differently
         line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
     return line
+
+
+def _reason(error: Exception) -> str:
+    """A failed worker's last exception line: 'netgain.files.WriteError: cannot write ...'."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)),
+                lines[-1] if lines else "")
 
 
 @contextmanager

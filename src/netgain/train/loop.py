@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
 from netgain.comm import kernel
-from netgain.train.checkpoints import SHARDED_CHECKPOINT_FILE, read_checkpoint, read_sharded_checkpoint, resume_changes
+from netgain.train.checkpoints import (finish_sharded_checkpoint, read_checkpoint, read_sharded_checkpoint,
+                                       resume_changes, sharded_partial_path, write_checkpoint)
 from netgain.train.config import TrainConfig
 from netgain.train.report import report
 from netgain.train.tasks import TASK_CLASSES
@@ -31,6 +32,10 @@ BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and b
 ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "link_comm_s", "plan", "plan_fits",
                        "climbing")  # per step, kimad only
 SILENCE_NOTICE_S = 30  # a rank that makes no progress this long says so (at most half the collective timeout)
+
+
+class NonFiniteLossError(RuntimeError):
+    """A NaN or infinite train loss: the run has diverged, and every later step would train on it."""
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: str, local: bool = False) -> None:
@@ -134,6 +139,9 @@ class Trainer:
             compiled_before = kernel.compiled_kernels()
             start = time.perf_counter()
             loss = self.task.train_loss(self.model, step, self.rank, self.world_size, self.device)
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(f"rank {self.rank}'s train loss is {loss.item()} at step {step}: the run "
+                                         "diverged (a lower --lr?)")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -180,35 +188,32 @@ class Trainer:
     def save_checkpoint(self, path: str, step: int) -> None:
         """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective).
 
-        --fsdp: every rank writes its shards into a DCP folder, rank 0 adds SHARDED_CHECKPOINT_FILE.
-        Both write next to `path` first and replace it when complete.
+        --fsdp: every rank writes its shards into a new DCP folder, rank 0 adds the manifest. Both replace
+        `path` only when complete (checkpoints.write_checkpoint, finish_sharded_checkpoint).
         """
         if self.config.fsdp:
             self.save_sharded_checkpoint(Path(path), step)
             return
         comm_states = self.comm_state.state_dict()
         if self.rank == 0:
-            checkpoint = {"step": step, "world_size": self.world_size, "config": asdict(self.config),
-                          "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                          "comm": comm_states}
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            partial = Path(f"{path}.partial")
-            torch.save(checkpoint, partial)
-            partial.replace(path)
+            write_checkpoint(Path(path), {"step": step, "world_size": self.world_size, "config": asdict(self.config),
+                                          "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                          "comm": comm_states})
         dist.barrier()
 
     def save_sharded_checkpoint(self, path: Path, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        partial, replaced = Path(f"{path}.partial"), Path(f"{path}.replaced")
-        dcp.save(self.sharded_state(), checkpoint_id=partial)  # returns on every rank once .metadata is written
-        if self.rank == 0:
-            plain = {"step": step, "world_size": self.world_size, "config": asdict(self.config)}
-            (partial / SHARDED_CHECKPOINT_FILE).write_text(json.dumps(plain, indent=1))
-            if path.exists():  # check_fsdp made sure it is an earlier netgain checkpoint
-                path.rename(replaced)
-            partial.rename(path)
-            shutil.rmtree(replaced, ignore_errors=True)
+        token = [secrets.token_hex(8)]
+        dist.broadcast_object_list(token)  # rank 0's: every rank writes into the same new folder
+        partial = sharded_partial_path(path, token[0])
+        try:
+            dcp.save(self.sharded_state(), checkpoint_id=partial)  # returns on every rank once .metadata is written
+            if self.rank == 0:
+                finish_sharded_checkpoint(partial, path, step, self.world_size, asdict(self.config))
+        finally:
+            if self.rank == 0:  # a failed save leaves no half-written folder (after a rename, there is none)
+                shutil.rmtree(partial, ignore_errors=True)
         dist.barrier()
 
     def sharded_state(self) -> dict:

@@ -17,20 +17,24 @@ import netgain.comm as comm
 from netgain import models
 from netgain.comm import bandwidth
 from netgain.cost import network as net
+from netgain.files import require_claimed, write_atomically
 from netgain.train.config import TrainConfig
 
+OUTPUT_FILES = ("record.json", "loss.png", "adaptive.png")  # what a run writes under --out
 LINK_FIT_SAMPLES = 256  # the link is fitted to the run's last 256 bucket collectives (as Kimad's monitor keeps)
 FINAL_TRAIN_LOSS_WINDOW = 10  # final train loss = mean over the last 10 steps (one step is noise)
 
 
 def report(config: TrainConfig, world_size: int, history: dict, validations: list[dict],
            device: torch.device, model: nn.Module, resumed: dict | None) -> None:
-    """Summary table on stdout, record.json and loss.png under --out (made by prepare_outputs)."""
+    """Summary table on stdout, record.json and loss.png under --out (made and claimed by prepare_outputs;
+    each file written whole or not at all)."""
     summary = summarize(config, world_size, history, validations, model)
     out = Path(config.out)
+    require_claimed(out, config.run_id)
     record = {"config": asdict(config), "resumed": resumed, "summary": summary, "per_step": history,
               "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
-    (out / "record.json").write_text(json.dumps(record, indent=1))
+    write_atomically(out / "record.json", lambda f: f.write(json.dumps(record, indent=1).encode()))
     plot_losses(history, validations, out / "loss.png",
                 f"{config.task}, codec {config.codec}" + (f", fsdp {config.replicas}x{config.shards}" if config.fsdp else ""))
     written = [out / "record.json", out / "loss.png"]
@@ -135,9 +139,7 @@ def plot_losses(history: dict, validations: list[dict], path: Path, title: str) 
     ax.plot([v["step"] for v in validations], [v["val_loss"] for v in validations], "o-", label="validation")
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_adaptive(history: dict, path: Path, title: str) -> None:
@@ -168,9 +170,17 @@ def plot_adaptive(history: dict, path: Path, title: str) -> None:
     axes[2].legend(fontsize=7)
     axes[3].plot(steps, history["train_loss"])
     axes[3].set(xlabel="step", ylabel="train loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.tight_layout()
+        write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
 
 
 def _plan_bits(codec: str | None) -> float:

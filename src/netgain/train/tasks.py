@@ -12,10 +12,14 @@ from netgain.train.config import TrainConfig
 
 VALIDATION_BATCHES = 16  # the fixed held-out set: 16 batches of 8 sequences (lm)
 VALIDATION_BATCH_SIZE = 8
+FP32_BYTES = 4
+PARAMETER_COPIES = 4  # training holds weights, gradients and AdamW's two moments
 
 
 class LanguageModelTask:
     """Next-byte prediction with a small Llama; validation loss in nats per byte."""
+
+    SHAPE = ("hidden_size", "layers", "seq_len", "batch_size")  # the settings its memory grows with
 
     def __init__(self, config: TrainConfig):
         files = data.text_files(config.data) if config.data else data.stdlib_source_files()
@@ -26,6 +30,24 @@ class LanguageModelTask:
 
     def build_model(self) -> nn.Module:
         return models.byte_llama(self.config.hidden_size, self.config.layers, self.config.seq_len)
+
+    @staticmethod
+    def parameter_count(c: TrainConfig) -> int:
+        """byte_llama's parameters, counted from the settings: building 100,000 layers to count them takes minutes."""
+        h, intermediate = c.hidden_size, _intermediate_size(c.hidden_size)
+        key_value = max(1, h // models.HEAD_DIM // 2) * models.HEAD_DIM
+        layer = 2 * h * h + 2 * h * key_value + 3 * h * intermediate + 2 * h
+        return 2 * models.BYTE_VOCAB * h + h + c.layers * layer
+
+    @classmethod
+    def memory_bytes(cls, c: TrainConfig) -> int:
+        """At least this much per worker, in fp32: the parameters' PARAMETER_COPIES (sharded under --fsdp),
+        and for each of batch x seq-len tokens the activations backward keeps: per layer at least its
+        input, normed input, query and attention output (4 x hidden) and the MLP's gate, up and product
+        (3 x intermediate), and the logits and their gradient."""
+        per_token = c.layers * (4 * c.hidden_size + 3 * _intermediate_size(c.hidden_size)) + 2 * models.BYTE_VOCAB
+        return FP32_BYTES * (PARAMETER_COPIES * cls.parameter_count(c) // (c.shards or 1)
+                             + c.batch_size * c.seq_len * per_token)
 
     @staticmethod
     def blocks(model: nn.Module) -> list[nn.Module]:
@@ -52,8 +74,14 @@ class LanguageModelTask:
         return {"val_loss": (sums[0] / sums[1]).item()}
 
 
+def _intermediate_size(hidden_size: int) -> int:
+    return 16 * round(hidden_size * 8 / 3 / 16)  # as models.byte_llama builds its MLP
+
+
 class DigitsTask:
     """Classify sklearn's 8x8 digits with an MLP: a convergence check that runs in seconds."""
+
+    SHAPE = ("batch_size",)
 
     def __init__(self, config: TrainConfig):
         self.digits = data.Digits.load()
@@ -61,6 +89,13 @@ class DigitsTask:
 
     def build_model(self) -> nn.Module:
         return models.digits_mlp()
+
+    @staticmethod
+    def memory_bytes(c: TrainConfig) -> int:
+        """At least this much per worker: the MLP's parameters, and each example's input and layer outputs."""
+        model = models.digits_mlp()
+        per_example = sum(m.in_features + m.out_features for m in model if isinstance(m, nn.Linear))
+        return FP32_BYTES * (PARAMETER_COPIES * models.parameter_count(model) + c.batch_size * per_example)
 
     @staticmethod
     def blocks(model: nn.Module) -> list[nn.Module]:
