@@ -539,6 +539,16 @@ def test_hostile_fields_in_an_fsdp_manifest_are_named(tmp_path, field, value, me
     assert f"--resume {folder}" in str(error.value) and message in str(error.value)
 
 
+def test_hostile_fields_in_a_checkpoint_are_named(tmp_path):
+    """A tensor where the config holds plain values raised 'Boolean value of Tensor...' in the checks."""
+    saved = {**asdict(config()), "seed": torch.zeros(3)}
+    write_checkpoint(tmp_path / "ck.pt", {"step": "two", "world_size": 2, "config": saved, "model": {},
+                                          "optimizer": {}, "comm": []})
+    with pytest.raises(ValueError, match=r"ck.pt: not a netgain checkpoint, its fields hold the wrong types or "
+                       r"values: step 'two', config \{"):
+        config("--resume", str(tmp_path / "ck.pt"))
+
+
 def test_fsdp_checkpoint_folder_without_its_json_is_named(tmp_path):
     (tmp_path / "ck").mkdir()
     with pytest.raises(ValueError, match="ck: a folder without a readable netgain.json is not a netgain --fsdp"):
@@ -573,6 +583,14 @@ def test_model_rejects_bad_numbers_by_name(capsys, argv, message):
         cli.main(["model", *[item for pair in base.items() for item in pair]])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_model_steps_from_reads_only_a_regular_file(tmp_path, capsys):
+    os.mkfifo(tmp_path / "steps.csv")
+    for path in (tmp_path / "steps.csv", Path("/dev/zero")):
+        with pytest.raises(SystemExit):
+            cli.main(["model", "--params", "7e9", "--workers", "8", "--steps-from", str(path)])
+        assert f"--steps-from {path} is a " in capsys.readouterr().err
 
 
 def test_model_default_link_still_applies():

@@ -48,10 +48,11 @@ def _kind(mode: int) -> str:
 
 
 def in_bytes(count: float) -> str:
-    """1234567 -> '1.23 MB'."""
+    """1234567 -> '1.23 MB'; 5e17 -> '500,000 TB'."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if count >= size:
-            return f"{count / size:.3g} {unit}"
+            value = count / size
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
     return f"{count:.0f} bytes"
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from netgain.cost import network as net
 from netgain.cost.kernels import GPUS
+from netgain.files import require_regular_file
 
 GPU_CHOICES = (*GPUS, "cpu")
 DEFAULT_LINK = "25gbe"
@@ -45,6 +46,7 @@ class Row:
 
 CONVERGES = ("unbiased", "low-rank", "rounded")  # recommended without --allow-biased
 STEPS_COLUMNS = ("workers", "codec", "steps_ratio")
+STEPS_MAX_BYTES = 16 << 20  # a --steps-from CSV: bench's are a few kB
 
 
 def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
@@ -55,6 +57,7 @@ def read_steps(paths: list[str], world_size: int) -> dict[str, float]:
     median over cells. An empty steps_ratio (the target not reached in every round) counts as never."""
     found: dict[str, dict[bool, list[float]]] = {}
     for path in paths:
+        require_regular_file(path, "--steps-from", STEPS_MAX_BYTES)  # a FIFO blocked forever
         try:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
