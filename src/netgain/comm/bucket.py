@@ -101,7 +101,9 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     if checked:
         scales, nonfinite = header(state, communicator, index, codec, x, ctx, record)
         if nonfinite:
-            nonfinite_error(state.config.nonfinite, index, layout, scales, codec.scale_params(ctx))  # raises, or goes on
+            if state.config.nonfinite == "raise":
+                bad = nonfinite_gradients(communicator, layout, x)
+                raise nonfinite_error(index, bad or header_names(layout, scales, codec.scale_params(ctx)), overflowed=not bad)
             codec, uncompressed, record["codec"] = UNCOMPRESSED, True, "none (non-finite)"
             if memory_codec is not None and not restart:
                 restart, local_grad = True, ctx.feedback.restart(x, ctx)
@@ -119,10 +121,12 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     sent = communicator.start(codec.collective, payload, record, combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
     for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
         aggregated = sent.wait()
-        if not checked and not bool(aggregated.sum().isfinite()):
-            # no header: NaN/Inf reach every rank through this round's SUM, so every rank raises here,
-            # before the codec writes its state (low rank's residual and warm start)
-            nonfinite_error("raise", index, layout, None)
+        if aggregated.is_floating_point() and not all_finite(aggregated):
+            # NaN/Inf reach every rank through this round's SUM or MAX (without a header: a NaN gradient; with
+            # one, or finite gradients: a product or sum past float32), so every rank raises here, before
+            # the codec writes its state (low rank's residual and warm start)
+            bad = nonfinite_gradients(communicator, layout, x)
+            raise nonfinite_error(index, bad or layout.names, overflowed=not bad)
         payload, op = codec.relay(aggregated, ctx)
         sent = communicator.start("allreduce", payload, record, op=op)
     pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
@@ -138,10 +142,13 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
                 if exact is not None:
                     out[layout.exact_index] = exact.value()
                 if not checked and not bool(out.sum().isfinite()):
-                    # NaN/Inf reach every rank through the float SUM, so every rank raises here. The bucket's
-                    # sum is non-finite whenever an element is (also if finite values sum past the float
-                    # range), and needs no bucket-sized bool tensor
-                    nonfinite_error("raise", index, layout, None, wire=sent.value().dtype)
+                    # NaN/Inf reach every rank through the SUM (qsgd's: through the gathered scales), so every
+                    # rank raises here. The bucket's sum is non-finite whenever an element is, and needs no
+                    # bucket-sized bool tensor; only then is each parameter checked (finite elements can sum past
+                    # the float range: such a bucket is fine)
+                    names = nonfinite_params(layout, out)
+                    if names:
+                        raise nonfinite_error(index, names, wire=sent.value().dtype)
                 if restart:
                     ctx.feedback.sync(local_grad, out)
             record.update(ctx.seconds)
@@ -172,24 +179,47 @@ def header(state: CommState, communicator: Communicator, index, codec, x, ctx, r
     return joined[:-3], nonfinite > 0
 
 
-def nonfinite_error(policy: str, index: int, layout: BucketLayout, scales, owners=None, wire=None) -> None:
-    """Raise NonFiniteGradientError naming the parameters, unless ``policy`` sends such buckets uncompressed.
-    scales: the header's (None: every parameter is named); owners: the parameter of each header scale
-    (`Codec.scale_params`; None: one scale per parameter); wire: the dtype summed, where the check ran on
-    the sum (an fp16 cast overflows finite gradients)."""
-    if policy != "raise":
-        return
-    if scales is not None:
-        bad = torch.isinf(scales).nonzero().flatten()
-        names = [layout.names[i] for i in dict.fromkeys((bad if owners is None else owners[bad]).tolist())]
-    else:
-        names = layout.names
+def nonfinite_error(index: int, names: list[str], overflowed: bool = False, wire=None) -> NonFiniteGradientError:
+    """The error naming the parameters. overflowed: every rank's gradients were finite, and the codec's sum or
+    product of them went past float32 (low rank's P = M Q); wire: the dtype summed, where the check ran on the
+    sum (an fp16 cast overflows finite gradients)."""
     shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-    overflow = (", or finite gradients whose mean overflowed fp16 (largest 65504) on the wire: use bf16 or gqsgd"
-                if wire == torch.float16 else "")
-    raise NonFiniteGradientError(
-        f"bucket {index} holds NaN/Inf gradients on at least one rank{overflow} (parameters: {shown}); "
-        "pass nonfinite='uncompressed' to send such buckets uncompressed")
+    if overflowed:
+        what = "finite gradients whose sum overflowed float32 (largest 3.4e38): scale the loss down or clip them"
+    else:
+        what = "NaN/Inf gradients on at least one rank" + (
+            ", or finite gradients whose mean overflowed fp16 (largest 65504) on the wire: use bf16 or gqsgd"
+            if wire == torch.float16 else "")
+    return NonFiniteGradientError(f"bucket {index} holds {what} (parameters: {shown}); "
+                                  "pass nonfinite='uncompressed' to send such buckets uncompressed")
+
+
+def header_names(layout: BucketLayout, scales: torch.Tensor, owners=None) -> list[str]:
+    """The parameters of the header's non-finite entries; owners: the parameter of each entry
+    (`Codec.scale_params`; None: one entry per parameter)."""
+    bad = torch.isinf(scales).nonzero().flatten()
+    return [layout.names[i] for i in dict.fromkeys((bad if owners is None else owners[bad]).tolist())]
+
+
+def nonfinite_params(layout: BucketLayout, out: torch.Tensor) -> list[str]:
+    """The parameters whose span of ``out`` holds NaN/Inf (the error path only: a bool tensor per parameter)."""
+    return [name for name, (offset, numel) in zip(layout.names, layout.spans)
+            if not bool(torch.isfinite(out[offset:offset + numel]).all())]
+
+
+def all_finite(aggregated: torch.Tensor) -> bool:
+    """No NaN/Inf in a round's result: its sum first (one pass, no bool tensor), each element only if that overflowed."""
+    return bool(aggregated.sum().isfinite()) or bool(torch.isfinite(aggregated).all())
+
+
+def nonfinite_gradients(communicator: Communicator, layout: BucketLayout, x: torch.Tensor) -> list[str]:
+    """The parameters whose gradients ``x`` hold NaN/Inf on some rank (none: finite gradients whose sum
+    overflowed). One more allreduce MAX, of a flag per parameter, on the error path only, which every rank
+    takes at the same bucket."""
+    local = set(nonfinite_params(layout, x))
+    flags = torch.tensor([float(name in local) for name in layout.names], device=x.device)
+    communicator.allreduce(flags, dist.ReduceOp.MAX)
+    return [name for name, flag in zip(layout.names, flags.tolist()) if flag]
 
 
 class Pipeline:

@@ -290,7 +290,8 @@ class QSGD(Int8Codes):
     """Classic QSGD: each worker's own scale per parameter, 2^(b-1)-1 levels per sign, stochastic
     rounding. Scales differ per worker, so codes cannot be summed: allgather + decode each.
     Wire: 8 bits/element (int8 codes) + one fp32 scale per parameter; the allgather makes every rank
-    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element.
+    receive n such payloads. Unbiased; |error| <= mean_i(scale_i) / levels per element. A NaN/Inf
+    gradient travels as its parameter's scale (codes cannot hold it), so every rank decodes NaN there.
     """
 
     name, collective, unbiased, needs_scales = "qsgd", "allgather", True, False
@@ -299,7 +300,7 @@ class QSGD(Int8Codes):
         with ctx.timed("encode_s"):
             s = ctx.segments
             own = s.absmax(x)
-            own = torch.where(own > 0, own, torch.ones_like(own))
+            own = torch.where(own == 0, torch.ones_like(own), own)  # NaN/Inf stay: every rank decodes them
             payload = ctx.buffer("payload", x.numel() + 4 * s.count, torch.int8, x.device)
             fused.round_int8(x, s, self.levels / own, ctx.noise_keys, self.levels, payload[: x.numel()])
             payload[x.numel():] = own.view(torch.int8)

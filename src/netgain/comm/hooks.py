@@ -32,7 +32,8 @@ class CommState:
 
     Build it with `register` (which also makes the hook's own process group). Built directly, as
     `ddp.register_comm_hook(CommState(config), hook)`, it runs on ``process_group`` (default: the
-    default group) and compares configs across ranks at the first bucket.
+    default group) and compares configs across ranks at the first bucket. ``param_names``: id(parameter)
+    -> name of the parameters whose gradients reach the hook; a loaded state must name the same ones.
     `state_dict()` is collective (call it on every rank) and returns everything every rank needs,
     so a checkpoint saved by rank 0 alone resumes every rank exactly.
     """
@@ -200,17 +201,10 @@ class CommState:
                 "chooser": self.planner.state_dict() if self.planner is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != FORMAT:
-            raise ValueError(f"not a netgain comm state of format {FORMAT!r} (got {state.get('format')!r})")
-        if state["config"] != self.config.describe():
-            differ = sorted(k for k in set(state["config"]) | set(self.config.describe())
-                            if state["config"].get(k) != self.config.describe().get(k))
-            raise ValueError(f"the checkpoint's comm config differs in {differ}: saved {state['config']}, "
-                             f"this state {self.config.describe()}")
+        """Restore what `state_dict()` returned, on every rank. ValueError for a state of another config,
+        world size or model (parameter names), or one that is malformed."""
         n = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
-        if state["world_size"] != n:
-            raise ValueError(f"the checkpoint holds the comm state of {state['world_size']} ranks, "
-                             f"this run has {n}: EF21 buffers are per rank")
+        check_state(state, self.config.describe(), n, set(self._names.values()))
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         self._drain()
         self.step = state["step"]
@@ -241,20 +235,22 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "Comm
     ``config``: a codec config (GlobalQSGDConfig(bits=4), TopKConfig(...), KimadConfig(...)), a
     CommConfig, or a codec name from CODEC_NAMES with codec and hook fields as keywords
     (register(ddp, "gqsgd", bits=4, warmup_steps=10)). Makes the hook's own process group unless
-    config.own_group is False or ``process_group`` is given. Raises PlanMismatchError on every rank
-    when the ranks' configs differ.
+    config.own_group is False or ``process_group`` is given. Collective over that group (default: the
+    default group): raises PlanMismatchError on every rank when the ranks' configs differ; a rank that
+    never calls it leaves the others waiting until the group's timeout, then raises saying so.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
     group = options.pop("process_group", None)
-    comm = comm_config(config, **options)
-    if group is None and comm.own_group and dist.get_world_size() > 1:
-        group = dist.new_group(backend=dist.get_backend(), timeout=_default_group_timeout())
-    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-    state = CommState(comm, process_group=group, param_names=names)
+    names = {id(p): name for name, p in ddp_model.module.named_parameters() if p.requires_grad and p.numel()}
+    state = CommState(config, process_group=group, param_names=names, **options)
     if dist.get_world_size(group) > 1:
+        # on the default group unless given one: before new_group, which ranks that disagree on own_group
+        # would call on one side only (a store timeout, not a PlanMismatchError)
         state.check_config(group)
+    if group is None and state.config.own_group and dist.get_world_size() > 1:
+        state.process_group = dist.new_group(backend=dist.get_backend(), timeout=_default_group_timeout())
     ddp_model.register_comm_hook(state, hook)
     ddp_model.module.register_forward_hook(lambda *_: state.forward_done())
     return state
@@ -274,12 +270,54 @@ def check_same_config(config: CommConfig, group: dist.ProcessGroup | None) -> No
     """Raise PlanMismatchError on every rank of ``group`` when the ranks' configs differ (collective)."""
     mine = config.describe()
     configs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(configs, mine, group=group)
+    try:
+        dist.all_gather_object(configs, mine, group=group)
+    except RuntimeError as error:  # DistBackendError, DistStoreError: a timeout, or a peer that went away
+        raise RuntimeError(f"netgain could not compare its comm config with every rank ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}): every rank of the group must call "
+                           "register() (or build its CommState) for the same model; a rank that did not, or that "
+                           "failed before it, leaves the others waiting until the group's timeout") from error
     if any(c != configs[0] for c in configs):
         flat = [_flatten(c) for c in configs]
         differ = sorted({k for c in flat for k in c if c.get(k) != flat[0].get(k)})
         raise PlanMismatchError(f"netgain comm configuration differs between ranks in {differ}: "
                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
+
+
+def check_state(state, config: dict, world_size: int, names: set[str]) -> None:
+    """ValueError unless ``state`` is a well-formed comm state of ``config`` at ``world_size`` for the parameters
+    ``names`` (empty: not known, as for a CommState built without param_names)."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"not a netgain comm state of format {FORMAT!r} (got {found!r})")
+    if state.get("config") != config:
+        saved = state["config"] if isinstance(state.get("config"), dict) else {}
+        differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+        raise ValueError(f"the checkpoint's comm config differs in {differ}: saved {state.get('config')}, "
+                         f"this state {config}")
+    if state.get("world_size") != world_size:
+        raise ValueError(f"the checkpoint holds the comm state of {state.get('world_size')!r} ranks, "
+                         f"this run has {world_size}: EF21 buffers are per rank")
+    step, local, shared = state.get("step"), state.get("local"), state.get("shared")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the comm state's step must be an integer >= 0, got {step!r}")
+    if not (isinstance(local, list) and len(local) == world_size and all(map(_tensors, local)) and _tensors(shared)
+            and all(set(ranks) == set(shared) for ranks in local) and isinstance(state.get("chooser"), dict)):
+        raise ValueError("the comm state is malformed: it needs local (per rank, parameter name -> tensor), shared "
+                         "(the same names -> tensor) and chooser (a dict)")
+    if names and shared and set(shared) != names:
+        missing, unexpected = sorted(names - set(shared)), sorted(set(shared) - names)
+        parts = ([f"lacks this model's parameters {_few(missing)}"] if missing else []) + (
+            [f"holds parameters this model does not have {_few(unexpected)}"] if unexpected else [])
+        raise ValueError(f"the comm state is another model's: it {' and '.join(parts)}")
+
+
+def _tensors(entries) -> bool:
+    return isinstance(entries, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in entries.items())
+
+
+def _few(names: list[str]) -> str:
+    return "[" + ", ".join(names[:5]) + (f", ... {len(names) - 5} more" if len(names) > 5 else "") + "]"
 
 
 def _flatten(config: dict, prefix: str = "") -> dict:

@@ -39,7 +39,7 @@ class BucketLayout:
         buffer = bucket.buffer()
         base, size = buffer.data_ptr(), buffer.element_size()
         entries = sorted(((g.data_ptr() - base) // size, g.numel(), name_of(p), p.dim() <= 1, tuple(p.shape))
-                         for p, g in zip(bucket.parameters(), bucket.gradients()))
+                         for p, g in zip(bucket.parameters(), bucket.gradients()) if p.numel())  # 0 elements: nothing to send
         names = [name for _, _, name, _, _ in entries]
         spans = [(offset, numel) for offset, numel, _, _, _ in entries]
         if sum(numel for _, numel in spans) != buffer.numel():
@@ -64,6 +64,9 @@ class StateStore:
                 previous = self.views.get(name) or self.loaded.pop(name, None)
                 local, shared = feedback.local[offset:offset + numel], feedback.shared[at:at + size]
                 if previous is not None:
+                    if (previous[0].numel(), previous[1].numel()) != (numel, size):
+                        raise ValueError(f"the comm state loaded holds {previous[0].numel()} values for parameter "
+                                         f"{name}, which has {numel} here: it is another model's")
                     local.copy_(previous[0].reshape(-1))
                     shared.copy_(previous[1].reshape(-1))
                 else:
