@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -228,6 +231,57 @@ def test_cli_custom_link_cpu_and_no_compression(capsys):
     with pytest.raises(SystemExit):
         cli.main(["model", "--params", "1e6", "--workers", "2", "--link", "lab-1gbit"])
     assert "give --compute-ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bandwidth", "1e-300bit"], "--bandwidth must be between 1 kbit/s and 10 Pbit/s, got 1e-300bit"),
+    (["--bandwidth", "1e30gbit"], "--bandwidth must be between 1 kbit/s and 10 Pbit/s"),
+    (["--bandwidth", "10gbit", "--latency", "1e300s"], "--latency must be between 0 s and 10 s, got 1e300s"),
+    (["--link", "10gbe", "--latency", "1e5s"], "--latency must be between 0 s and 10 s"),
+    (["--compute-ms", "1e308"], "--compute-ms must be at most 1e+09 (11.6 days a step), got 1e+308"),
+    (["--tokens-per-step", "1e308"], "--tokens-per-step and --mfu give inf ms of compute per step"),
+    (["--mfu", "1e-300"], "more than 1e+09 ms (11.6 days)"),
+])
+def test_model_refuses_numbers_no_job_has_by_name(capsys, argv, message):
+    """Past these the model's sums ran to inf and nan ("best: fp16 at nanx the step speed")."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["model", "--params", "7e9", "--workers", "8", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--bandwidth", "1kbit", "--latency", "10s"], ["--bandwidth", "10000tbit", "--latency", "0us"],
+                                  ["--compute-ms", "1e9"], ["--tokens-per-step", "1e-300"]])
+def test_model_predicts_finite_numbers_at_the_edges_of_its_ranges(capsys, argv):
+    """0 latency is an ideal link the model computes as well as any (the lab fit may give one)."""
+    assert cli.main(["model", "--params", "7e9", "--workers", "100000", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation:" in out and not re.search(r"\b(inf|nan)", out)
+
+
+def write_safetensors_header(folder, header: bytes, length: int | None = None):
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write((len(header) if length is None else length).to_bytes(8, "little") + header)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: write_safetensors_header(d, b"{}", length=1 << 62), "is no safetensors file (its header would be"),
+    (lambda d: write_safetensors_header(d, b"[1, 2]"), "has no safetensors header of tensor shapes"),
+    (lambda d: write_safetensors_header(d, json.dumps({"w": {"shape": [-4, 5]}}).encode()), "shape must be a list of sizes >= 0"),
+    (lambda d: os.mkfifo(d / "model.safetensors"), "is a FIFO (named pipe), not a regular file"),
+    (lambda d: os.mkfifo(d / "config.json"), "is a FIFO (named pipe), not a regular file"),
+    (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 10_000_000})),
+     "num_hidden_layers=10000000 is more layers than netgain models (at most 10,000)"),
+    (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 1 << 40,
+                                                          "intermediate_size": 1 << 41})), "has no buildable config.json"),
+    (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"})),
+     "has no buildable config.json"),
+])
+def test_a_model_folder_that_cannot_be_counted_is_refused_at_once(tmp_path, make, message):
+    """Hostile or absurd folders: no read of a FIFO, no allocation of a header's claimed size, no build of
+    10 million layers (minutes), one ValueError naming --model."""
+    make(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        advise.count_parameters(str(tmp_path))
 
 
 def test_hf_model_folder_is_counted_from_its_config(tmp_path):

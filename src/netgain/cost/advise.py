@@ -28,6 +28,13 @@ DEFAULT_LINK = "25gbe"
 DDP_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb, with a first bucket of DDP_FIRST_BUCKET_MB
 DDP_FIRST_BUCKET_MB = 1.0
 MAX_BUCKETS = 1_000_000  # each bucket is stepped through: 915k (--params 6e12) take 33 s
+# what a data-parallel job can physically be: beyond these the model's sums run to inf and nan
+BANDWIDTH_RANGE = (1e3 / 8, 1e16 / 8)  # bytes/s per rank: 1 kbit/s to 10 Pbit/s
+MAX_LATENCY_S = 10.0  # per message (a geostationary satellite hop is 0.6 s)
+MAX_COMPUTE_MS = 1e9  # forward + backward of one step: 11.6 days
+MAX_LAYERS = 10_000  # a config's layer counts (the deepest LLMs have a few hundred; 10 million took minutes to build)
+CONFIG_MAX_BYTES = 16 << 20  # a model's config.json (real ones are a few kB)
+SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors format's own limit on its JSON header
 
 
 @dataclass(frozen=True)
@@ -103,8 +110,8 @@ def count_parameters(model_dir: str, register_types=None) -> list[tuple[int, ...
         raise ValueError(f"--model: {model_dir!r} is not a folder")
     try:
         return _meta_parameter_sizes(path, register_types)
-    except (ValueError, OSError, KeyError) as error:
-        sizes = _safetensors_sizes(path)
+    except Exception as error:  # a config transformers cannot build fails many ways: ValueError, RuntimeError
+        sizes = _safetensors_sizes(path)  # (sizes past int64), huggingface_hub's validation errors
         if not sizes:
             raise ValueError(f"--model: {model_dir!r} has no buildable config.json "
                              f"({error}) and no *.safetensors files") from error
@@ -117,7 +124,9 @@ def _meta_parameter_sizes(path: Path, register_types=None) -> list[int]:
 
     if register_types is not None:
         register_types()
+    require_regular_file(path / "config.json", "--model", CONFIG_MAX_BYTES)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_layers(config.to_dict())
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -126,14 +135,38 @@ def _meta_parameter_sizes(path: Path, register_types=None) -> list[int]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
+def _check_layers(config: dict) -> None:
+    """Every layer count of a config (num_hidden_layers, n_layer, a text_config's ...) at most MAX_LAYERS,
+    before the model is built: building is per layer."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _check_layers(value)
+        elif "layer" in str(key) and isinstance(value, int) and value > MAX_LAYERS:
+            raise ValueError(f"config.json's {key}={value} is more layers than netgain models (at most {MAX_LAYERS:,})")
+
+
 def _safetensors_sizes(path: Path) -> list[tuple[int, ...]]:
-    """Shapes from the JSON headers of *.safetensors files (8-byte length, then JSON)."""
+    """Shapes from the JSON headers of *.safetensors files (8-byte length, then JSON), read only from regular
+    files and only as far as the length the file can hold."""
     sizes = []
     for file in sorted(path.glob("*.safetensors")):
+        size = require_regular_file(file, "--model", None)
         with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        sizes += [tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"]
+            length = int.from_bytes(f.read(8), "little")
+            if length > min(size - 8, SAFETENSORS_HEADER_MAX):
+                raise ValueError(f"--model: {file} is no safetensors file (its header would be {length} bytes)")
+            try:
+                header = json.loads(f.read(length))
+                sizes += [_shape(entry["shape"]) for name, entry in header.items() if name != "__metadata__"]
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise ValueError(f"--model: {file} has no safetensors header of tensor shapes ({error!r})") from None
     return sizes
+
+
+def _shape(shape) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"a shape must be a list of sizes >= 0, got {shape!r}")
+    return tuple(shape)
 
 
 def resolve_link(args) -> tuple[net.Link, str]:
@@ -141,15 +174,25 @@ def resolve_link(args) -> tuple[net.Link, str]:
     if args.bandwidth is not None and args.link:
         raise ValueError(f"--link {args.link} and --bandwidth {args.bandwidth} both name the link: give one "
                          "(--bandwidth, with --latency, describes a link that is not a preset)")
+    latency = None
+    if args.latency is not None:
+        latency = net.parse_duration(args.latency)
+        _require_within(latency, (0.0, MAX_LATENCY_S), "--latency", args.latency, "0 s and 10 s")
     if args.bandwidth is not None:
-        latency = net.parse_duration(args.latency) if args.latency is not None else 30e-6
-        return net.Link("custom", net.parse_bandwidth(args.bandwidth), latency,
-                        f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
+        rate = net.parse_bandwidth(args.bandwidth)
+        _require_within(rate, BANDWIDTH_RANGE, "--bandwidth", args.bandwidth, "1 kbit/s and 10 Pbit/s")
+        latency = 30e-6 if latency is None else latency
+        return net.Link("custom", rate, latency, f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
     name = args.link or DEFAULT_LINK
     link = net.preset(name)
-    if args.latency is not None:
-        link = dataclasses.replace(link, latency=net.parse_duration(args.latency))
+    if latency is not None:
+        link = dataclasses.replace(link, latency=latency)
     return link, net.preset_device(name)
+
+
+def _require_within(value: float, bounds: tuple[float, float], flag: str, text: str, allowed: str) -> None:
+    if not bounds[0] <= value <= bounds[1]:
+        raise ValueError(f"{flag} must be between {allowed}, got {text}")
 
 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
@@ -322,6 +365,9 @@ def check_args(args) -> None:
     for flag, value in (("--bucket-mb", args.bucket_mb), ("--compute-ms", args.compute_ms)):
         if value is not None:
             require(math.isfinite(value) and value > 0, flag, "must be a finite number > 0", value)
+    if args.compute_ms is not None:
+        require(args.compute_ms <= MAX_COMPUTE_MS, "--compute-ms", f"must be at most {MAX_COMPUTE_MS:g} (11.6 days a step)",
+                args.compute_ms)
     if args.bucket_mb is not None:
         require(args.bucket_mb * 2**20 >= 4, "--bucket-mb", f"must hold one fp32 element (>= {4 / 2**20:.2g})",
                 args.bucket_mb)
@@ -364,6 +410,10 @@ def run(args) -> int:
         compute_s = net.estimate_compute_s(params, args.tokens_per_step, gpu, args.mfu)
         compute_note = (f"estimated: 6 x {params:.3g} params x {args.tokens_per_step:g} tokens "
                         f"/ ({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s x {args.mfu})")
+        if not compute_s * 1e3 <= MAX_COMPUTE_MS:
+            raise ValueError(f"--tokens-per-step and --mfu give {compute_s * 1e3:.3g} ms of compute per step ({compute_note}), "
+                             f"more than {MAX_COMPUTE_MS:g} ms (11.6 days): give smaller --tokens-per-step, a larger "
+                             "--mfu, or --compute-ms")
 
     profiles = args.codec_profiles(args.workers, cost, calibration_shapes(bucket_shapes, args.workers))
     rows = evaluate(buckets, args.workers, link, compute_s, profiles, args.algorithm, tensors, bucket_shapes,
