@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from netgain.train.launch import free_port, worker_start_method
+from netgain.train.launch import exit_with_parent, free_port, worker_start_method
 
 
 def _worker(rank, world_size, port, folder, fn, args):
+    exit_with_parent()  # a test run killed mid-test leaves no rank behind
     faulthandler.enable()  # a native abort prints the Python stack that led to it
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
