@@ -163,7 +163,7 @@ def test_bad_paths_are_named_before_compressing(tmp_path):
         ([*out, "--eval", ""], "--eval is empty"),
         (["--out", ""], "--out is required"),
             ([], "--out is required"),
-        ([*out, "--cost", "measured", "--cache", str(tmp_path / "empty")], "cache .*empty exists and is not a file"),
+        ([*out, "--cost", "measured", "--cache", str(tmp_path / "empty")], "cache .*empty is a folder, not a regular file"),
     ):
         with pytest.raises((SystemExit, ValueError), match=message):
             cli.run(parse("--model", model, "--cost", "a100", "--calib", str(tmp_path / "file"), *argv))

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from netgain.align import gac
 from netgain.align.lowrank import LowRankUnit
 from netgain.cost import latency, measured, profile, published
 from netgain.cost.kernels import GPUS, AnalyticCost, gemm_tier
-from netgain.cost.measured import MeasuredCost
+from netgain.cost.measured import CACHE_FORMAT, MeasuredCost
 from netgain.cost.profile import linear_shapes, rank_sweep
 from netgain.cost.timing import Timing, interleaved, summarise
 
@@ -164,15 +165,17 @@ def test_cache_is_written_atomically(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["table.json"]  # and no temp file is left behind
 
 
-def test_corrupt_cache_is_set_aside_with_a_warning_and_measured_again(tmp_path):
+def test_a_netgain_table_with_unreadable_entries_is_measured_again_and_rewritten(tmp_path):
     path = tmp_path / "table.json"
-    path.write_text('{"device": "cpu:x", "entries": {')  # a half-written file
-    with pytest.warns(UserWarning, match="unreadable"):
+    name = MeasuredCost("cpu", "float32", cache=tmp_path / "other.json").name
+    path.write_text(json.dumps({"format": CACHE_FORMAT, "device": name, "dtype": "float32", "entries": {"gemm 1 1 1": {}}}))
+    with pytest.warns(UserWarning, match="unreadable entries"):
         cost = MeasuredCost("cpu", "float32", warmup=0, repeats=1, cache=path)
-    assert cost.table == {} and (tmp_path / "table.json.corrupt").exists()
+    assert cost.table == {}
     cost.gemm(4, 8, 8)
     cost.save()
     assert "gemm 4 8 8" in json.loads(path.read_text())["entries"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]
 
 
 def test_measured_cost_rejects_bad_arguments():
@@ -187,19 +190,38 @@ def test_measured_cost_rejects_bad_arguments():
             MeasuredCost("cuda")
 
 
-def test_cache_that_is_no_file_or_cannot_be_set_aside_is_refused(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="exists and is not a file"):
-        MeasuredCost("cpu", cache=tmp_path)
-    path = tmp_path / "notes.json"
-    path.write_text("a user's notes")
-
-    def refuse(*args):
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(os, "replace", refuse)  # as /proc or a read-only folder does
-    with pytest.raises(ValueError, match="is not a kernel table .* cannot be set aside"):
+@pytest.mark.parametrize("content", ["a user's notes", "", "[1, 2]", '{"device": "x", "dtype": "float32", "mine": 1}',
+                                     '{"device": "cpu:x", "entries": {'])
+def test_a_cache_path_holding_no_netgain_table_is_refused_and_left_alone(tmp_path, content):
+    """netgain recognises its tables by their format field: it moves and writes over no other file (an older
+    notes.txt.corrupt included)."""
+    path, aside = tmp_path / "notes.txt", tmp_path / "notes.txt.corrupt"
+    path.write_text(content)
+    aside.write_text("older notes")
+    with pytest.raises(ValueError, match="is not a netgain kernel table, and netgain writes over no other file"):
         MeasuredCost("cpu", cache=path)
-    assert path.read_text() == "a user's notes"
+    assert path.read_text() == content and aside.read_text() == "older notes"
+
+
+def test_a_cache_path_that_is_no_regular_file_or_cannot_be_made_is_refused_before_measuring(tmp_path):
+    with pytest.raises(ValueError, match="is a folder, not a regular file"):
+        MeasuredCost("cpu", cache=tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match=r"is a FIFO \(named pipe\), not a regular file"):  # read, it would block
+        MeasuredCost("cpu", cache=tmp_path / "fifo")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot make its folder"):
+        MeasuredCost("cpu", cache=tmp_path / "file" / "table.json")
+
+
+def test_a_table_written_before_the_format_field_is_still_read(tmp_path):
+    path = tmp_path / "table.json"
+    cost = MeasuredCost("cpu", "float32", warmup=0, repeats=1, cache=path)
+    cost.gemm(4, 8, 8)
+    record = json.loads(cost.save().read_text())
+    del record["format"]
+    path.write_text(json.dumps(record))
+    assert "gemm 4 8 8" in MeasuredCost("cpu", "float32", cache=path).table
 
 
 def tiny_llama_config():
@@ -286,8 +308,39 @@ def test_profile_cli_writes_a_table(tmp_path):
     assert any(k.startswith("norm LlamaRMSNorm") for k in entries) and "call" in entries and "op" in entries
     with pytest.raises(ValueError, match="--min-ratio"):
         profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--min-ratio", "0"]))
-    with pytest.raises(ValueError, match="--model must be a Hugging Face model directory"):
+    with pytest.raises(ValueError, match="--model .*nothing/config.json: No such file or directory"):
         profile.run(parser.parse_args(["--model", str(tmp_path / "nothing")]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "100000000"], "--seq 100000000 is longer than the model's context (max_position_embeddings=2048)"),
+    (["--repeats", "1000000000"], "--repeats must be at most 1000"),
+    (["--warmup", "1000000000"], "--warmup must be at most 1000"),
+    (["--threads", "100000"], "--threads must be at most this machine's"),
+    (["--max-ratio", "inf"], "0 < min <= max <= 2 (full rank of a square layer)"),
+    (["--max-ratio", "nan"], "0 < min <= max <= 2"),
+])
+def test_profile_refuses_sizes_and_rounds_no_run_could_finish(tmp_path, argv, message):
+    """Each of these ran for hours, crashed torch (100,000 threads) or overflowed range(); refused before any timing."""
+    tiny_llama_config().save_pretrained(tmp_path / "model")
+    parser = argparse.ArgumentParser()
+    profile.configure(parser)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--cache", str(tmp_path / "t.json"), *argv]))
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("change, message", [({"num_hidden_layers": 10_000_000}, "is more layers than netgain models"),
+                                             ({"hidden_size": 1 << 40, "intermediate_size": 1 << 41}, "transformers cannot build"),
+                                             ({"hidden_size": 1 << 20, "num_attention_heads": 1 << 14}, "largest GEMM holds"),
+                                             ({"hidden_size": "big"}, "its config.json does not load")])
+def test_profile_refuses_a_config_it_cannot_build_or_time(tmp_path, change, message):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**tiny_llama_config().to_dict(), **change}))
+    parser = argparse.ArgumentParser()
+    profile.configure(parser)
+    with pytest.raises(ValueError, match=message):
+        profile.run(parser.parse_args(["--model", str(tmp_path / "model"), "--cache", str(tmp_path / "t.json")]))
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from netgain.cost import network as net
 from netgain.cost.kernels import GPUS
+from netgain.cost.modelconfig import load_config, meta_model
 from netgain.files import require_regular_file
 
 GPU_CHOICES = (*GPUS, "cpu")
@@ -32,8 +33,6 @@ MAX_BUCKETS = 1_000_000  # each bucket is stepped through: 915k (--params 6e12) 
 BANDWIDTH_RANGE = (1e3 / 8, 1e16 / 8)  # bytes/s per rank: 1 kbit/s to 10 Pbit/s
 MAX_LATENCY_S = 10.0  # per message (a geostationary satellite hop is 0.6 s)
 MAX_COMPUTE_MS = 1e9  # forward + backward of one step: 11.6 days
-MAX_LAYERS = 10_000  # a config's layer counts (the deepest LLMs have a few hundred; 10 million took minutes to build)
-CONFIG_MAX_BYTES = 16 << 20  # a model's config.json (real ones are a few kB)
 SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors format's own limit on its JSON header
 
 
@@ -110,39 +109,19 @@ def count_parameters(model_dir: str, register_types=None) -> list[tuple[int, ...
         raise ValueError(f"--model: {model_dir!r} is not a folder")
     try:
         return _meta_parameter_sizes(path, register_types)
-    except Exception as error:  # a config transformers cannot build fails many ways: ValueError, RuntimeError
-        sizes = _safetensors_sizes(path)  # (sizes past int64), huggingface_hub's validation errors
+    except ValueError as error:
+        sizes = _safetensors_sizes(path)
         if not sizes:
             raise ValueError(f"--model: {model_dir!r} has no buildable config.json "
                              f"({error}) and no *.safetensors files") from error
         return sizes
 
 
-def _meta_parameter_sizes(path: Path, register_types=None) -> list[int]:
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
+def _meta_parameter_sizes(path: Path, register_types=None) -> list[tuple[int, ...]]:
     if register_types is not None:
         register_types()
-    require_regular_file(path / "config.json", "--model", CONFIG_MAX_BYTES)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    _check_layers(config.to_dict())
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = AutoModel.from_config(config)
+    model = meta_model(load_config(path, "--model"), "--model")
     return [tuple(p.shape) for p in model.parameters()]
-
-
-def _check_layers(config: dict) -> None:
-    """Every layer count of a config (num_hidden_layers, n_layer, a text_config's ...) at most MAX_LAYERS,
-    before the model is built: building is per layer."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            _check_layers(value)
-        elif "layer" in str(key) and isinstance(value, int) and value > MAX_LAYERS:
-            raise ValueError(f"config.json's {key}={value} is more layers than netgain models (at most {MAX_LAYERS:,})")
 
 
 def _safetensors_sizes(path: Path) -> list[tuple[int, ...]]:

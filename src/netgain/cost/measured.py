@@ -11,6 +11,8 @@ in between, so before such a call a buffer larger than the last-level cache is r
 (timed hot, a prefill norm ran 4-5x faster than inside Gemma-3-270M's forward on this CPU); small
 operands (a decode step's activations) stay hot, as they do in the model. The table is keyed by device,
 thread count and dtype and written atomically, so an interrupted run never leaves a half-written cache.
+A table names its format (CACHE_FORMAT): a cache path holding any other file is refused, never moved
+or written over.
 
 A timing taken while other work ran stays wrong for as long as it is cached (one GEMM cached at 55 ms
 with a 37% spread, 3.0 ms fresh, moved GAC's sizes). So every entry records its spread, the load
@@ -29,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..files import require_regular_file, write_atomically
 from .timing import Timing, interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CACHE_DIR = Path(os.environ.get("NETGAIN_CACHE", Path.home() / ".cache" / "netgain"))
+CACHE_FORMAT = "netgain.kernels/1"  # in every table netgain writes: the files it may read back and rewrite
+LEGACY_FIELDS = {"device", "dtype", "threads", "torch", "warmup", "repeats", "entries"}  # tables before the format field
+CACHE_MAX_BYTES = 256 << 20  # a table of every shape of a large model is a few MB
 FLUSH_BYTES = 64 << 20  # read before a cold call: beyond the last-level cache of the CPUs (32 MB) and GPUs here
 HOT_BYTES = 1 << 20  # operands up to this size stay in a core's cache between kernels (L2: 2 MB here)
 DISTURBED_SPREAD = 0.2  # IQR / median above this: the samples were spread by interference (quiet: a few %)
@@ -124,8 +129,6 @@ class MeasuredCost:
             raise ValueError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        if cache is not None and Path(cache).exists() and not Path(cache).is_file():
-            raise ValueError(f"cache {cache} exists and is not a file: give the path of a JSON kernel table")
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -222,8 +225,9 @@ class MeasuredCost:
             self._store(self._time({key: self._gemm_call(*shape) for key, shape in batch.items()}, cold=True))
 
     def save(self) -> Path:
-        """Write the table (with what it was measured on) to the cache file, atomically."""
+        """Write the table (with what it was measured on) to the cache file, atomically (WriteError if it cannot)."""
         record = {
+            "format": CACHE_FORMAT,
             "device": self.name,
             "dtype": self.dtype,
             "threads": self.threads,
@@ -232,36 +236,33 @@ class MeasuredCost:
             "repeats": self.repeats,
             "entries": {k: t.as_dict() for k, t in sorted(self.table.items())},
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(self.path, lambda f: f.write(json.dumps(record, indent=1).encode()))
         return self.path
 
     def _load(self) -> dict[str, Timing]:
-        """Entries of the cache file for this device and dtype; a corrupt file is set aside with a warning."""
-        if not self.path.exists():
+        """Entries of the cache file for this device and dtype. Only a table netgain wrote is read (and later
+        rewritten): any other file is refused, never moved or written over; a table of netgain's own with
+        unreadable entries is measured again. A new table's folder is made now, so a path that cannot be
+        written fails before any measuring."""
+        if not os.path.lexists(self.path):
+            _writable_folder(self.path)
+            return {}
+        require_regular_file(self.path, "cache", CACHE_MAX_BYTES)
+        try:
+            stored = json.loads(self.path.read_bytes())
+        except OSError as error:
+            raise ValueError(f"cache {self.path}: {error.strerror or error}") from None
+        except ValueError:
+            stored = None
+        if not (isinstance(stored, dict) and (stored.get("format") == CACHE_FORMAT or set(stored) == LEGACY_FIELDS)):
+            raise ValueError(f"cache {self.path} is not a netgain kernel table, and netgain writes over no other file: "
+                             "give another path")
+        if stored.get("device") != self.name or stored.get("dtype") != self.dtype:
             return {}
         try:
-            stored = json.loads(self.path.read_text())
-            if stored.get("device") != self.name or stored.get("dtype") != self.dtype:
-                return {}
             return {k: Entry.from_dict(v) for k, v in stored["entries"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            try:
-                os.replace(self.path, aside)
-            except OSError as moving:
-                raise ValueError(f"cache {self.path} is not a kernel table ({error}) and cannot be set aside "
-                                 f"({moving.strerror}): give another path") from None
-            warnings.warn(f"kernel cache {self.path} is unreadable ({error}); moved to {aside}, measuring again", stacklevel=3)
+            warnings.warn(f"kernel cache {self.path} has unreadable entries ({error!r}); measuring again", stacklevel=3)
             return {}
 
     # --- timing ------------------------------------------------------------------------------------
@@ -315,6 +316,16 @@ class MeasuredCost:
         gate, up = (torch.randn(*shape, device=self.device, dtype=DTYPES[self.dtype]) for _ in range(2))
         module = _on(module, self.device, DTYPES[self.dtype])
         return lambda: module(gate) * up
+
+
+def _writable_folder(path: Path) -> None:
+    """Make the folder of ``path`` (a cache to be written), or a ValueError saying why it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cache {path}: cannot make its folder ({error.strerror or error})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"cache {path}: its folder is not writable")
 
 
 def _on(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

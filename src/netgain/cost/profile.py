@@ -11,22 +11,24 @@ Entries the table holds are reused unless they were disturbed (`netgain.cost.mea
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import torch
 
+from ..files import WriteError, in_bytes, machine_memory_bytes
 from .latency import predict
 from .measured import DEFAULT_CACHE_DIR, DTYPES, MeasuredCost, cpu_name
+from .modelconfig import load_config, meta_model
+
+MAX_ROUNDS = 1000  # --repeats, --warmup: a shape's spread settles within tens of interleaved rounds
+MAX_RATIO = 2.0  # a factorised size twice the dense one is full rank for a square layer
 
 __all__ = ["DEFAULT_CACHE_DIR", "MeasuredCost", "configure", "cpu_name", "linear_shapes", "rank_sweep", "run"]
 
 
 def shape_model(config):
-    """The model of a config on the meta device (shapes only)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    """The causal LM of a config on the meta device (shapes only)."""
+    return meta_model(config, "--model", causal_lm=True)
 
 
 def linear_shapes(config) -> list[tuple[int, int]]:
@@ -62,20 +64,42 @@ def configure(parser) -> None:
     parser.add_argument("--cache", default=None, help=f"JSON table path (default: {DEFAULT_CACHE_DIR}/kernels-<device>-<dtype>.json)")
 
 
-def run(args) -> int:
-    from transformers import AutoConfig
-
-    if not 0 < args.min_ratio <= args.max_ratio:
-        raise ValueError(f"--min-ratio/--max-ratio must satisfy 0 < min <= max, got {args.min_ratio}, {args.max_ratio}")
-    if not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model must be a Hugging Face model directory holding config.json, got {args.model!r}")
+def check_args(args) -> None:
+    """Every number `netgain profile` takes, named as on the command line, before the model is read."""
+    if not 0 < args.min_ratio <= args.max_ratio <= MAX_RATIO:
+        raise ValueError(f"--min-ratio/--max-ratio must satisfy 0 < min <= max <= {MAX_RATIO:g} (full rank of a square "
+                         f"layer), got {args.min_ratio}, {args.max_ratio}")
     if args.seq < 1 or args.step < 1:
         raise ValueError(f"--seq and --step must be >= 1, got --seq {args.seq}, --step {args.step}")
-    config = AutoConfig.from_pretrained(args.model)
+    for flag, rounds in (("--repeats", args.repeats), ("--warmup", args.warmup)):
+        if rounds > MAX_ROUNDS:
+            raise ValueError(f"{flag} must be at most {MAX_ROUNDS}, got {rounds}")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        raise ValueError(f"--threads must be at most this machine's {cores} cores, got {args.threads}")
+
+
+def check_sizes(config, shapes: list[tuple[int, int]], seq: int, dtype: str) -> None:
+    """A prefill the model can run (--seq within its context) whose largest GEMM (x, w and out) fits in half of
+    this machine's memory, before anything is allocated."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int) and seq > context:
+        raise ValueError(f"--seq {seq} is longer than the model's context (max_position_embeddings={context})")
+    largest = max((seq * k + k * n + seq * n for k, n in shapes), default=0) * torch.finfo(DTYPES[dtype]).bits // 8
+    if largest > machine_memory_bytes() // 2:
+        raise ValueError(f"--seq {seq}: the model's largest GEMM holds {in_bytes(largest)} at once, more than half of "
+                         f"this machine's {in_bytes(machine_memory_bytes())}")
+
+
+def run(args) -> int:
+    check_args(args)
+    config = load_config(args.model, "--model")
+    shapes = linear_shapes(config)
+    check_sizes(config, shapes, args.seq, args.dtype)
     cost = MeasuredCost(args.device, args.dtype, threads=args.threads, warmup=args.warmup, repeats=args.repeats, cache=args.cache,
                         refresh=args.refresh)
     jobs = set()
-    for k, n in linear_shapes(config):
+    for k, n in shapes:
         for tokens in (args.seq, 1):
             jobs.add((tokens, k, n))
             for r in rank_sweep(k, n, args.step, args.min_ratio, args.max_ratio):
@@ -85,7 +109,10 @@ def run(args) -> int:
     model = shape_model(config)
     prefill = predict(model, cost, args.seq, args.seq)  # also times the per-layer work around the GEMMs
     decode = predict(model, cost, 1, args.seq + 1)
-    cost.save()
+    try:
+        cost.save()
+    except WriteError as error:  # one line, as bad input is; the earlier table is unchanged
+        raise ValueError(str(error)) from None
     print(f"dense model predicted: prefill S={args.seq} {prefill.total_s * 1e3:.1f} ms "
           f"(overheads {prefill.overhead_s * 1e3:.1f} ms), decode {decode.total_s * 1e3:.2f} ms")
     print(cost.describe())
