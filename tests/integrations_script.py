@@ -7,6 +7,7 @@ Each rank writes OUT/<client>_<rank>.pt: plain tensors, numbers and strings (loa
 
 import os
 import sys
+import time
 
 import torch
 
@@ -88,11 +89,29 @@ def lightning_runs(out):
 
 
 # ---- Accelerate -------------------------------------------------------------------------------
+def plain_accelerator_on_cpu():
+    """The README's plain Accelerator() under torchrun on a machine without GPUs: Accelerate runs each rank alone."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from netgain.integrations.accelerate import register
+
+    try:
+        accelerator = Accelerator()
+        register(accelerator, accelerator.prepare(tiny_model()), "gqsgd")
+        return "registered"
+    except ValueError as error:
+        return str(error)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next Accelerator(cpu=True) starts afresh
+
+
 def accelerate_runs(out):
     from accelerate import Accelerator
     from netgain.integrations.accelerate import register
 
-    def train(steps, start=0, load=None, save=None):
+    plain = plain_accelerator_on_cpu()
+
+    def train(steps, start=0, load=None, save=None, reload=False):
         accelerator = Accelerator(cpu=True)
         model = tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -109,6 +128,8 @@ def accelerate_runs(out):
             optimizer.zero_grad()
         if save:
             accelerator.save_state(save)
+        if reload:  # at once, no wait_for_everyone: save_state returns once rank 0 has written the file
+            accelerator.load_state(save)
         state.close()
         return {"params": params(model), "hook": hook_steps(state), "ef21_step": state.step,
                 "distributed_type": str(accelerator.distributed_type)}
@@ -122,11 +143,27 @@ def accelerate_runs(out):
     straight = train(6)
     first = train(3, save=folder)
     resumed = train(3, start=3, load=folder)
-    return {"straight": straight, "first": first, "resumed": resumed, "unprepared": unprepared}
+    write = torch.save
+
+    def late_on_rank_zero(*args, **kwargs):  # rank 0 writes late: a rank that read at once found no or half a file
+        if int(os.environ["RANK"]) == 0:
+            time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    torch.save = late_on_rank_zero
+    try:
+        reloaded = train(3, save=os.path.join(out, "accelerate_reload"), reload=True)
+    finally:
+        torch.save = write
+    return {"straight": straight, "first": first, "resumed": resumed, "reloaded": reloaded, "unprepared": unprepared,
+            "plain": plain}
 
 
 # ---- Hugging Face Trainer ---------------------------------------------------------------------
 def transformers_runs(out):
+    import shutil
+
+    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
     from netgain.integrations.transformers import register
 
@@ -134,12 +171,12 @@ def transformers_runs(out):
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16), generator=generator)]
     folder = os.path.join(out, "hf")
 
-    def train(resume=None):
+    def train(resume=None, output=folder):
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                              max_position_embeddings=64))
-        args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, max_steps=6, save_steps=3,
+        args = TrainingArguments(output_dir=output, per_device_train_batch_size=4, max_steps=6, save_steps=3,
                                  learning_rate=1e-3, use_cpu=True, ddp_backend="gloo", report_to=[],
                                  disable_tqdm=True, logging_steps=100, seed=0)
         trainer = Trainer(model=model, args=args, train_dataset=data)
@@ -150,7 +187,20 @@ def transformers_runs(out):
     straight = train()
     saved = torch.load(os.path.join(folder, "checkpoint-3", "netgain_comm.pt"), weights_only=True)
     resumed = train(resume=os.path.join(folder, "checkpoint-3"))
-    return {"straight": straight, "resumed": resumed, "saved_step": saved["step"]}
+    moved, bare = os.path.join(out, "moved", "checkpoint"), os.path.join(out, "bare", "checkpoint")
+    if dist.get_rank() == 0:  # the checkpoint somewhere else, and a copy without the codec state
+        shutil.copytree(os.path.join(folder, "checkpoint-3"), moved)
+        shutil.copytree(moved, bare)
+        os.remove(os.path.join(bare, "netgain_comm.pt"))
+    dist.barrier()
+    elsewhere = train(resume=moved, output=os.path.join(out, "hf_elsewhere"))
+    try:
+        train(resume=bare, output=os.path.join(out, "hf_bare"))
+        missing = ""
+    except FileNotFoundError as error:
+        missing = str(error)
+    return {"straight": straight, "resumed": resumed, "elsewhere": elsewhere, "missing": missing,
+            "saved_step": saved["step"]}
 
 
 if __name__ == "__main__":

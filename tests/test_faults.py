@@ -189,3 +189,9 @@ def test_a_malformed_or_foreign_state_is_refused_by_name(change, match):
 def test_a_state_that_is_no_dict_is_refused():
     with pytest.raises(ValueError, match="not a netgain comm state"):
         comm.CommState("topk").load_state_dict([1, 2])
+
+
+def test_a_planner_state_that_is_not_kimads_is_refused():
+    saved = comm.CommState("kimad+").state_dict()
+    with pytest.raises(ValueError, match=r"the comm state's chooser is not a kimad\+.* planner's \(KeyError"):
+        comm.CommState("kimad+").load_state_dict({**saved, "chooser": {"x": 1}})

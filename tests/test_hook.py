@@ -295,6 +295,8 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
     (lambda: comm.CastConfig("fp8"), r"dtype='fp8' is not one of \('fp16', 'bf16'\)"),
     (lambda: comm.KimadConfig(mode="kimad++"), r"mode='kimad\+\+' is not one of"),
     (lambda: comm.KimadConfig(budget_ms=float("inf")), "budget_ms must be > 0 and finite"),
+    (lambda: comm.KimadConfig(budget_ms="5"), "budget_ms must be a number, got '5'"),
+    (lambda: comm.KimadConfig(max_error="0.1"), "max_error must be a number, got '0.1'"),
     (lambda: comm.CommConfig(nonfinite="skip"), r"nonfinite='skip' is not one of \('raise', 'uncompressed'\)"),
     (lambda: comm.CommConfig(warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
     (lambda: comm.CommConfig(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),

@@ -108,6 +108,20 @@ def test_accelerate_trains_and_load_state_resumes_bit_for_bit(accelerate_ranks):
         assert "accelerator.prepare(model)" in rank["unprepared"], rank["unprepared"]
 
 
+def test_accelerate_load_state_right_after_save_state_reads_the_whole_file(accelerate_ranks):
+    """save_state waits until rank 0 has written netgain_comm.pt (rank 0 writes a second late here)."""
+    for rank in accelerate_ranks:
+        assert rank["reloaded"]["ef21_step"] == 3
+        assert same(rank["reloaded"]["params"], rank["first"]["params"])
+
+
+def test_a_plain_accelerator_on_a_cpu_machine_names_cpu_true(accelerate_ranks):
+    """Accelerate 1.16 runs each torchrun rank alone on CPU unless told: the error says how, not the launch used."""
+    for rank in accelerate_ranks:
+        assert "one of WORLD_SIZE=2 launched ranks, but Accelerate runs it alone" in rank["plain"], rank["plain"]
+        assert "Accelerator(cpu=True), or ACCELERATE_USE_CPU=1" in rank["plain"]
+
+
 def test_accelerate_single_process_names_the_distributed_launch():
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
@@ -144,6 +158,15 @@ def test_hf_trainer_hook_runs_and_resume_continues_the_codec_state(transformers_
         assert [h["step"] for h in rank["resumed"]["hook"]] == [3, 4, 5]
         assert rank["resumed"]["ef21_step"] == 6
         assert same(rank["resumed"]["params"], rank["straight"]["params"])
+
+
+def test_hf_trainer_resumes_from_a_checkpoint_outside_output_dir(transformers_ranks):
+    """train(resume_from_checkpoint=<a copy elsewhere>) with another output_dir: the callback reads the state where
+    the Trainer was told to resume; a checkpoint without the state is named."""
+    for rank in transformers_ranks:
+        assert [h["step"] for h in rank["elsewhere"]["hook"]] == [3, 4, 5]
+        assert same(rank["elsewhere"]["params"], rank["straight"]["params"])
+        assert "bare/checkpoint at step 3, but it holds no netgain_comm.pt" in rank["missing"], rank["missing"]
 
 
 def test_clients_are_imported_only_by_their_integration_module():

@@ -12,6 +12,7 @@ across ranks before the first bucket is sent.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
@@ -132,6 +133,10 @@ class KimadConfig:
     max_error: float = MAX_ERROR
 
     def __post_init__(self):
+        for name in ("budget_ms", "max_error") if self.budget_ms is not None else ("max_error",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.budget_ms is not None and not 0 < self.budget_ms < float("inf"):
             raise ValueError(f"budget_ms must be > 0 and finite (or None for the measured backward time), got {self.budget_ms}")
         self.build()  # the planner checks mode and replan_every, its option codecs their bits and ratios

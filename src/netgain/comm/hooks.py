@@ -207,11 +207,14 @@ class CommState:
         check_state(state, self.config.describe(), n, set(self._names.values()))
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         self._drain()
+        if self.planner is not None:
+            try:
+                self.planner.load_state_dict(state["chooser"])
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise ValueError(f"the comm state's chooser is not a {self.describe()} planner's ({error!r})") from error
         self.step = state["step"]
         self.store.load(state["local"][rank], state["shared"])
         self._layouts.clear()
-        if self.planner is not None:
-            self.planner.load_state_dict(state["chooser"])
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -7,7 +7,8 @@
 the hook itself. The codec state goes through save-state / load-state pre-hooks, not
 `register_for_checkpointing`: Accelerate saves a registered object's state on rank 0 only after
 calling its `state_dict` (fine, ours is collective) but unpickles it unrestricted (it can run code); here the
-file is `<dir>/netgain_comm.pt`, written by rank 0 and read by every rank with `weights_only=True`.
+file is `<dir>/netgain_comm.pt`, written by rank 0 and read by every rank with `weights_only=True`, once every
+rank has left save_state.
 """
 
 from __future__ import annotations
@@ -37,9 +38,7 @@ def register(accelerator: Accelerator, model: torch.nn.Module, config: "CommConf
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     if accelerator.num_processes < 2:
-        raise ValueError(f"the netgain hook compresses gradients between processes, and this run has "
-                         f"accelerator.num_processes={accelerator.num_processes}: launch it distributed, "
-                         f"e.g. {LAUNCH}")
+        raise ValueError(_single_process(accelerator))
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"model must be the DistributedDataParallel that accelerator.prepare(model) returned, "
                         f"got {type(model).__name__} (distributed_type={accelerator.distributed_type})")
@@ -57,6 +56,9 @@ def register(accelerator: Accelerator, model: torch.nn.Module, config: "CommConf
             torch.save(saved, os.path.join(output_dir, filename))
 
     def load(models, input_dir):
+        # first, every rank waits until all have left save_state: a load_state right after one finds rank 0's
+        # files whole (Accelerate's own too: its save_state ends with no barrier, so rank 1 read half a file)
+        accelerator.wait_for_everyone()
         path = os.path.join(input_dir, filename)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint was saved without this netgain hook "
@@ -66,3 +68,15 @@ def register(accelerator: Accelerator, model: torch.nn.Module, config: "CommConf
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
     return state
+
+
+def _single_process(accelerator: Accelerator) -> str:
+    """Why this run has one process, and what to do: under torchrun on a machine without GPUs, Accelerate
+    (1.16) runs each launched rank alone unless told to use the CPU."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        return (f"this process is one of WORLD_SIZE={launched} launched ranks, but Accelerate runs it alone "
+                f"(distributed_type={accelerator.distributed_type}): without a GPU, Accelerate joins launched ranks "
+                "only when told to use the CPU: Accelerator(cpu=True), or ACCELERATE_USE_CPU=1")
+    return (f"the netgain hook compresses gradients between processes, and this run has "
+            f"accelerator.num_processes={accelerator.num_processes}: launch it distributed, e.g. {LAUNCH}")
