@@ -72,6 +72,8 @@ def config(*argv: str) -> TrainConfig:
     (["--eval-every", "-1"], "--eval-every must be 0 or more, got -1"),
     (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
     (["--seed", str(2**32)], f"--seed must be in 0..4294967295, got {2**32}"),
+    (["--steps", str(2**63)], f"--steps must be at most 9,223,372,036,854,775,807, got {2**63}"),  # overflowed in the workers
+    (["--codec", "lowrank", "--rank", "1" + "0" * 30], "--rank must be at most 9,223,372,036,854,775,807"),
     (["--checkpoint-every", "2"], "more than 0 needs --checkpoint, got 2"),
     (["--hidden-size", "100"], "--hidden-size must be a multiple of 32 and at least 64, got 100"),
     (["--layers", "0"], "--layers must be at least 1, got 0"),
@@ -189,6 +191,13 @@ def test_files_larger_than_memory_are_refused_before_reading(tmp_path, monkeypat
 
 
 # ------------------------------------------------------------------ outputs
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_text("mine"), os.mkfifo])
+def test_out_that_is_a_file_is_named_so(tmp_path, make):
+    make(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"--out .*out exists and is not a folder"):
+        prepare_outputs(config("--out", str(tmp_path / "out")))
 
 
 def test_out_under_a_file_fails_before_training(tmp_path):
@@ -774,4 +783,5 @@ def test_frozen_peer_is_announced_and_ends_the_run(tmp_path, start_train):
     assert time.monotonic() - start < 15
     assert "netgain train: rank 0 has made no progress for 1 s while in step" in run.err
     assert "(a peer was silent for --collective-timeout 2 s)" in run.err
+    assert "Traceback" not in run.err  # the closing line says it all
     assert not any(map(alive, workers))

@@ -31,6 +31,7 @@ DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (
 COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
 COLLECTIVE_TIMEOUT_RANGE = (1, 86_400)  # under 1 s the silence notice would fire every few ms; a day is plenty
 LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
+INT64_MAX = 2**63 - 1  # torch, numpy and the progress bar count in 64-bit integers: --steps 1e30 overflowed in the workers
 DEFAULT_WORLD_SIZE = 2
 
 
@@ -185,6 +186,8 @@ def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
 
 def check_numbers(c: TrainConfig) -> None:
     """Ranges of every numeric setting, named as on the command line."""
+    for name, value in vars(c).items():
+        _require(type(value) is not int or value <= INT64_MAX, name, f"must be at most {INT64_MAX:,}", value)
     for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every", "hidden_size", "layers"):
         _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
     for name in ("warmup_steps", "eval_every"):
@@ -277,6 +280,8 @@ def prepare_outputs(c: TrainConfig) -> TrainConfig:
             raise ValueError(f"--checkpoint {path} would write over {clash} at step {step}: give them different paths")
     try:
         out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"--out {out} exists and is not a folder: give a folder") from None
     except OSError as error:
         raise ValueError(f"--out {out}: cannot create it ({error.strerror or error})") from error
     _require_writable(out, "--out")

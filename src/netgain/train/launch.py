@@ -84,7 +84,7 @@ def spawn_workers(config: TrainConfig) -> int:
                 if context.join(timeout=0.2, grace_period=WORKER_GRACE_S):
                     return 0
         except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
-            explained = _reason(error).split(":")[0].split(".")[-1] in EXPLAINED_ERRORS
+            explained = _reason(error).split(":")[0].split(".")[-1] in EXPLAINED_ERRORS or _timed_out(error)
             print(("" if explained else f"{error}\n") + worker_failure(error, config), file=sys.stderr)
             return 1
         stop_workers(context.processes)
@@ -96,9 +96,14 @@ def spawn_workers(config: TrainConfig) -> int:
 def worker_failure(error: Exception, config: TrainConfig) -> str:
     """One closing line under the worker's traceback: which worker, and why (its last exception line)."""
     line = f"netgain train: worker {error.error_index} failed: {_reason(error)}"
-    if re.search(r"timed out|timeout", str(error), re.IGNORECASE):  # gloo and NCCL word it differently
+    if _timed_out(error):
         line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
     return line
+
+
+def _timed_out(error: Exception) -> bool:
+    """A collective that waited --collective-timeout: the closing line says it all, the traceback is noise."""
+    return re.search(r"timed out|timeout", _reason(error), re.IGNORECASE) is not None  # gloo and NCCL word it differently
 
 
 def _reason(error: Exception) -> str:
