@@ -170,6 +170,11 @@ def test_cuts_below_round_down_stay_within_the_trust_region():
     assert gac.candidate_sizes(small, 8, 4, trust=1.0) == [16, 24, 32, 40, 48, 56, 64, 72, 80]
 
 
+def test_steps_beyond_the_layer_are_not_enumerated():
+    small = LowRankUnit("s", 45, 640, 1.0, 640, 1024)
+    assert gac.candidate_sizes(small, 8, 10**30, trust=1.0) == gac.candidate_sizes(small, 8, 80, trust=1.0)  # looped for ever
+
+
 def test_naive_rounding():
     units = [unit(proposed=29), unit(proposed=31), unit(proposed=64)]
     units = [LowRankUnit(f"u{i}", u.proposed, u.full, u.score, 64, 160) for i, u in enumerate(units)]

@@ -46,7 +46,9 @@ def candidate_sizes(unit: Unit, multiple: int, steps: int, trust: float = TRUST_
     center = multiple * round(unit.proposed / multiple)
     dense = unit.params(unit.full)
     down = round_size(unit, multiple, "down")
-    sizes = {center + k * multiple for k in range(-steps, steps + 1)}
+    # only the steps between `multiple` and the full size: --steps 1e30 looped for ever
+    lowest, highest = max(-steps, 1 - center // multiple), min(steps, (unit.full - 1 - center) // multiple)
+    sizes = {center + k * multiple for k in range(lowest, highest + 1)}
     near = {s for s in sizes if multiple <= s < unit.full and unit.params(s) < dense
             and (s >= down or s >= (1 - trust) * unit.proposed)}
     return sorted(near | {down})
