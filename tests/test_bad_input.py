@@ -30,7 +30,7 @@ from netgain.train.cli import build_config, configure, prepare_outputs
 from netgain.train.config import TrainConfig
 from netgain.train.launch import worker_failure
 from netgain.train.loop import SilenceNotice
-from netgain.train.tasks import LanguageModelTask
+from netgain.train.tasks import TASK_CLASSES, LanguageModelTask
 
 CPUS = os.cpu_count() or 1
 needs_proc_children = pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
@@ -275,9 +275,10 @@ def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeyp
 def fake_checkpoint(path: Path, step: int = 4, world_size: int = 2, **settings) -> Path:
     """What check_resume reads of a checkpoint (its config, step and world size), written as the Trainer
     writes one, with a tensor whose bits a test can flip."""
-    saved = asdict(config(*[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]))
-    write_checkpoint(path, {"step": step, "world_size": world_size, "config": saved,
-                            "model": {"weight": torch.linspace(0, 1, 64)}, "optimizer": {}, "comm": []})
+    settings = config(*[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()])
+    write_checkpoint(path, {"step": step, "world_size": world_size, "config": asdict(settings),
+                            "model": TASK_CLASSES[settings.task].model_of(settings).state_dict(), "optimizer": {},
+                            "comm": []})
     return path
 
 
@@ -310,6 +311,14 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
     assert not marker.exists()
     torch.load(path, weights_only=False)  # the control: an unrestricted load runs it
     assert marker.exists()
+
+
+@pytest.mark.parametrize("model", [{"w": torch.zeros(3)}, {"model.embed_tokens.weight": torch.zeros(1)}, [1, 2]])
+def test_resume_of_another_models_weights_is_refused_in_the_parent(tmp_path, model):
+    path = fake_checkpoint(tmp_path / "ck.pt")
+    write_checkpoint(path, {**torch.load(path, weights_only=True), "model": model})
+    with pytest.raises(ValueError, match="its model weights are not this run's model's"):  # a traceback per worker before
+        config("--resume", str(path))
 
 
 @pytest.mark.parametrize("write, message", [
@@ -516,8 +525,10 @@ def test_fsdp_resume_refuses_another_mesh_or_codec(tmp_path, argv, message):
 def test_a_flipped_bit_in_a_checkpoint_is_refused(tmp_path):
     """Found by the zip's CRC-32 (torch.load alone returns the changed weight), or an --fsdp file's SHA-256."""
     path = fake_checkpoint(tmp_path / "ck.pt")
+    saved = torch.load(path, weights_only=True)["model"]
     flip_a_bit(path)
-    assert not torch.equal(torch.load(path, weights_only=True)["model"]["weight"], torch.linspace(0, 1, 64))
+    flipped = torch.load(path, weights_only=True)["model"]
+    assert any(not torch.equal(saved[name], flipped[name]) for name in saved)
     with pytest.raises(ValueError, match=r"--resume .*ck.pt: .*/data/0 fails its CRC-32 check: the checkpoint is damaged"):
         config("--resume", str(path))
     folder = fake_sharded_checkpoint(tmp_path / "sharded")

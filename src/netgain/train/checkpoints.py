@@ -18,6 +18,7 @@ import torch
 from netgain.files import (MANIFEST_MAX_BYTES, WriteError, machine_memory_bytes, require_regular_file, same_file,
                            write_atomically)
 from netgain.train.config import TrainConfig, flag
+from netgain.train.tasks import TASK_CLASSES
 
 CHECKPOINT_ID = "netgain_checkpoint"  # a unique id that netgain writes into every checkpoint it saves
 CHECKPOINT_KEYS = {"step", "world_size", "config", "model", "optimizer", "comm"}
@@ -85,12 +86,27 @@ def check_resume(c: TrainConfig, checkpoint: dict) -> None:
         ours = " ".join(f"{flag(name)} {getattr(c, name)}" for name in differ)
         raise ValueError(f"--resume {c.resume} was trained with {theirs}; this run has {ours}: "
                          "a resumed run keeps these (repeat the checkpoint's, or start a new run)")
+    if not c.fsdp:  # --fsdp: DCP checks each shard against the model as it loads
+        check_model_state(c, checkpoint["model"])
     if checkpoint["step"] >= c.steps:
         raise ValueError(f"--steps {c.steps} is not beyond the checkpoint's step {checkpoint['step']}")
     for path, step in checkpoint_paths(c, checkpoint["step"]).items():
         if same_file(path, c.resume):
             raise ValueError(f"--checkpoint {c.checkpoint} would overwrite --resume {c.resume} at step {step}; "
                              "write to a new path (a '{step}' in it helps)")
+
+
+def check_model_state(c: TrainConfig, state) -> None:
+    """The saved weights have this run's parameter names and shapes: a file whose checksums hold can still
+    be another model's, which failed in every worker, after startup, with a traceback."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in TASK_CLASSES[c.task].model_of(c).state_dict().items()}
+    saved = ({name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+             if isinstance(state, dict) else {})
+    differ = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
+    if differ or len(saved) != len(state or ()):
+        raise ValueError(f"--resume {c.resume}: its model weights are not this run's model's (names or shapes "
+                         f"differ: {reprlib.repr(differ)}): not a checkpoint of these settings")
 
 
 def resume_changes(c: TrainConfig) -> dict[str, tuple]:

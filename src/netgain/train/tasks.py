@@ -29,7 +29,12 @@ class LanguageModelTask:
                                                          config.seq_len)
 
     def build_model(self) -> nn.Module:
-        return models.byte_llama(self.config.hidden_size, self.config.layers, self.config.seq_len)
+        return self.model_of(self.config)
+
+    @staticmethod
+    def model_of(c: TrainConfig) -> nn.Module:
+        """The model these settings describe (on the meta device: its shapes, without allocating)."""
+        return models.byte_llama(c.hidden_size, c.layers, c.seq_len)
 
     @staticmethod
     def parameter_count(c: TrainConfig) -> int:
@@ -88,6 +93,10 @@ class DigitsTask:
         self.config = config
 
     def build_model(self) -> nn.Module:
+        return self.model_of(self.config)
+
+    @staticmethod
+    def model_of(c: TrainConfig) -> nn.Module:
         return models.digits_mlp()
 
     @staticmethod
