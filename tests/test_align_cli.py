@@ -143,6 +143,8 @@ def test_negative_check_seqs_is_refused_before_loading(tmp_path):
     (["--eval-chunks", "0"], "--eval-chunks must be at least 1, got 0"),
     (["--threads", "0"], "--threads must be at least 1, got 0"),
     (["--threads", "-1"], "--threads must be at least 1, got -1"),
+    (["--threads", str(10**30)], r"--threads must be at most \d+, got 1000000"),  # overflowed in torch
+    (["--repeats", str(10**30)], "--repeats must be at most 1000"),  # timed for ever
 ])
 def test_bad_count_is_named_before_loading(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cost.profile import MAX_ROUNDS
 from . import store
 from .config import COSTS, VARIANTS as APPLIED
 from .prune import IMPORTANCE, SCOPES
@@ -54,9 +55,9 @@ def configure(parser) -> None:
     parser.add_argument("--multiple", type=int, default=8, help="alignment of GAC's candidates and of the rounding baselines")
     parser.add_argument("--steps", type=int, default=4, help="candidates per side of the proposed size")
     parser.add_argument("--tolerance", type=float, default=0.03, help="measured speed-ups below this fraction are noise")
-    parser.add_argument("--repeats", type=int, default=5, help="timing repeats (median)")
+    parser.add_argument("--repeats", type=int, default=5, help=f"timing repeats (median), 1..{MAX_ROUNDS}")
     parser.add_argument("--cache", default=None, help="kernel timing table for --cost measured (default: ~/.cache/netgain/...)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads, >= 1 (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads, from 1 to the cores this process may use (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype the model is loaded, compressed and timed in")
     actions = parser.add_subparsers(dest="action", metavar="export", help="netgain align export --model DIR --dense OUT: "
@@ -130,12 +131,16 @@ def check_out(out: str | None, model: Path, flag: str = "--out") -> Path:
 
 def check_counts(args) -> None:
     """The integer flags AlignConfig does not check (it checks --multiple and --steps), named as on the
-    command line, before a model is loaded; a sequence needs two tokens for one prediction."""
-    for flag, value, least in (("--calib-seqs", args.calib_seqs, 1), ("--calib-len", args.calib_len, 2),
-                               ("--eval-chunks", args.eval_chunks, 1), ("--seq", args.seq, 2),
-                               ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
+    command line, before a model is loaded; a sequence needs two tokens for one prediction. The text
+    bounds the sequence counts; --repeats 1e30 timed for ever and --threads 1e30 overflowed in torch."""
+    cores = len(os.sched_getaffinity(0))
+    for flag, value, least, most in (("--calib-seqs", args.calib_seqs, 1, None), ("--calib-len", args.calib_len, 2, None),
+                                     ("--eval-chunks", args.eval_chunks, 1, None), ("--seq", args.seq, 2, None),
+                                     ("--repeats", args.repeats, 1, MAX_ROUNDS), ("--threads", args.threads, 1, cores)):
         if value is not None and value < least:
             raise SystemExit(f"{flag} must be at least {least}, got {value}")
+        if value is not None and most is not None and value > most:
+            raise SystemExit(f"{flag} must be at most {most}, got {value}")
     if args.check_seqs < 0 or args.check_seqs == 1:
         raise SystemExit(f"--check-seqs must be 0 (GAC unchecked) or >= 2 (its interval needs two), got {args.check_seqs}")
 
