@@ -276,8 +276,9 @@ def fake_checkpoint(path: Path, step: int = 4, world_size: int = 2, **settings) 
     """What check_resume reads of a checkpoint (its config, step and world size), written as the Trainer
     writes one, with a tensor whose bits a test can flip."""
     settings = config(*[f"--{k.replace('_', '-')}={v}" for k, v in settings.items()])
+    model = TASK_CLASSES[settings.task].model_of(settings)
     write_checkpoint(path, {"step": step, "world_size": world_size, "config": asdict(settings),
-                            "model": TASK_CLASSES[settings.task].model_of(settings).state_dict(), "optimizer": {},
+                            "model": model.state_dict(), "optimizer": torch.optim.AdamW(model.parameters()).state_dict(),
                             "comm": []})
     return path
 
@@ -313,11 +314,17 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
     assert marker.exists()
 
 
-@pytest.mark.parametrize("model", [{"w": torch.zeros(3)}, {"model.embed_tokens.weight": torch.zeros(1)}, [1, 2]])
-def test_resume_of_another_models_weights_is_refused_in_the_parent(tmp_path, model):
+@pytest.mark.parametrize("part, value, message", [
+    ("model", {"w": torch.zeros(3)}, "its model weights are not this run's model's"),
+    ("model", {"model.embed_tokens.weight": torch.zeros(1)}, "its model weights are not this run's model's"),
+    ("model", [1, 2], "its model weights are not this run's model's"),
+    ("optimizer", {"state": 5}, "its optimizer state is not AdamW's for this model's"),
+    ("optimizer", {"state": {}, "param_groups": [{"params": [0]}]}, "its optimizer state is not AdamW's for this model's"),
+])
+def test_resume_of_another_models_state_is_refused_in_the_parent(tmp_path, part, value, message):
     path = fake_checkpoint(tmp_path / "ck.pt")
-    write_checkpoint(path, {**torch.load(path, weights_only=True), "model": model})
-    with pytest.raises(ValueError, match="its model weights are not this run's model's"):  # a traceback per worker before
+    write_checkpoint(path, {**torch.load(path, weights_only=True), part: value})
+    with pytest.raises(ValueError, match=message):  # a traceback per worker, after startup, before
         config("--resume", str(path))
 
 

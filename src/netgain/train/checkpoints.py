@@ -87,7 +87,7 @@ def check_resume(c: TrainConfig, checkpoint: dict) -> None:
         raise ValueError(f"--resume {c.resume} was trained with {theirs}; this run has {ours}: "
                          "a resumed run keeps these (repeat the checkpoint's, or start a new run)")
     if not c.fsdp:  # --fsdp: DCP checks each shard against the model as it loads
-        check_model_state(c, checkpoint["model"])
+        check_saved_state(c, checkpoint)
     if checkpoint["step"] >= c.steps:
         raise ValueError(f"--steps {c.steps} is not beyond the checkpoint's step {checkpoint['step']}")
     for path, step in checkpoint_paths(c, checkpoint["step"]).items():
@@ -96,17 +96,31 @@ def check_resume(c: TrainConfig, checkpoint: dict) -> None:
                              "write to a new path (a '{step}' in it helps)")
 
 
-def check_model_state(c: TrainConfig, state) -> None:
-    """The saved weights have this run's parameter names and shapes: a file whose checksums hold can still
-    be another model's, which failed in every worker, after startup, with a traceback."""
+def check_saved_state(c: TrainConfig, checkpoint: dict) -> None:
+    """The saved weights have this run's parameter names and shapes, and the optimizer state is AdamW's
+    for as many parameters: a file whose checksums hold can still be another model's, which failed in
+    every worker, after startup, with a traceback."""
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in TASK_CLASSES[c.task].model_of(c).state_dict().items()}
+        model = TASK_CLASSES[c.task].model_of(c)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = checkpoint["model"]
     saved = ({name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
              if isinstance(state, dict) else {})
     differ = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
     if differ or len(saved) != len(state or ()):
         raise ValueError(f"--resume {c.resume}: its model weights are not this run's model's (names or shapes "
                          f"differ: {reprlib.repr(differ)}): not a checkpoint of these settings")
+    if _optimizer_parameters(checkpoint["optimizer"]) != len(list(model.parameters())):
+        raise ValueError(f"--resume {c.resume}: its optimizer state is not AdamW's for this model's "
+                         f"{len(list(model.parameters()))} parameters: not a checkpoint of these settings")
+
+
+def _optimizer_parameters(state) -> int | None:
+    """How many parameters a torch optimizer state_dict covers; None if it is not one."""
+    groups = state.get("param_groups") if isinstance(state, dict) and isinstance(state.get("state"), dict) else None
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        return None
+    return sum(len(g["params"]) for g in groups)
 
 
 def resume_changes(c: TrainConfig) -> dict[str, tuple]:
