@@ -261,3 +261,10 @@ def test_bad_arguments():
         compressor.propose(1.5)
     with pytest.raises(ValueError, match="rank for"):
         compressor.apply(model, {"model.layers.0.mlp.up_proj": 0})
+
+
+def test_a_prune_layer_range_past_the_model_is_refused():
+    from netgain.align.config import PrunerConfig
+
+    with pytest.raises(ValueError, match=r"layers 0:100 reaches past the model's 2 decoder layers \(0:2 is all of them\)"):
+        PrunerConfig(layers="0:100").build().fit(tiny("llama"), batches(1))  # was taken as 0:2

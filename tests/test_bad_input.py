@@ -28,7 +28,7 @@ from netgain.train.checkpoints import (CHECKPOINT_ID, SHARDED_CHECKPOINT_FILE, c
                                        write_checkpoint)
 from netgain.train.cli import build_config, configure, prepare_outputs
 from netgain.train.config import TrainConfig
-from netgain.train.launch import worker_failure
+from netgain.train.launch import explained, worker_failure
 from netgain.train.loop import SilenceNotice
 from netgain.train.tasks import TASK_CLASSES, LanguageModelTask
 
@@ -787,6 +787,27 @@ def test_worker_failure_line_names_the_exception_and_the_timeout():
     assert worker_failure(error, config("--collective-timeout", "3")) == (
         "netgain train: worker 1 failed: RuntimeError: [gloo] Timed out waiting 3000ms for recv "
         "(a peer was silent for --collective-timeout 3 s)")
+
+
+@pytest.mark.parametrize("last_line, alone", [
+    ("RuntimeError: [gloo] Timed out waiting 3000ms for recv", True),
+    ("_pickle.UnpicklingError: checkpoint ck: refused, it holds more than tensors", True),  # a hostile DCP file
+    ("netgain.files.WriteError: cannot write ck.pt: No space left on device", True),
+    ("RuntimeError: something unforeseen", False),
+])
+def test_failures_that_say_it_all_are_printed_without_their_traceback(last_line, alone):
+    class Failed(Exception):
+        error_index = 0
+
+    assert explained(Failed(f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{last_line}\n")) is alone
+
+
+def test_an_fsdp_checkpoint_file_its_manifest_does_not_list_is_refused(tmp_path):
+    folder = fake_sharded_checkpoint(tmp_path / "ck")
+    manifest = folder / SHARDED_CHECKPOINT_FILE
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": {}}))  # verified nothing, resumed
+    with pytest.raises(ValueError, match=r"\['__0_0.distcp'\] are not in its netgain.json's checksums"):
+        config("--resume", str(folder), *FSDP)
 
 
 @needs_proc_children

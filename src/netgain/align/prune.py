@@ -164,6 +164,10 @@ class Pruner(Compressor):
         }
         if not blocks:
             raise ValueError("model has no prunable MLP (gate/up/down_proj) or attention (q/k/v/o_proj) in '.layers.'")
+        count = 1 + max(layer_index(name) for name in blocks)
+        if self.layers is not None and self.layers.stop > count:  # 0:100 on 2 layers was taken as 0:2
+            raise ValueError(f"layers {self.layers.start}:{self.layers.stop} reaches past the model's {count} decoder "
+                             f"layers (0:{count} is all of them)")
         if self.importance == "taylor":
             self._accumulate_gradients(model, blocks, batches, progress)
             weight_salience = lambda w: (w.detach().float() * w.grad.float()).abs()

@@ -223,7 +223,12 @@ def verify_checkpoint(path: str) -> None:
     """Every byte of a checkpoint against its checksums, before a run uses it: a torch.save file's zip
     CRC-32s, an --fsdp folder's SHA-256s in its manifest. A flipped bit is refused, not trained on."""
     if Path(path).is_dir():
-        for name, digest in read_sharded_checkpoint(path)["files"].items():
+        files = read_sharded_checkpoint(path)["files"]
+        unlisted = sorted({entry.name for entry in Path(path).iterdir()} - {*files, SHARDED_CHECKPOINT_FILE})
+        if unlisted:  # a manifest listing no files verified nothing, and DCP read them all the same
+            raise ValueError(f"--resume {path}: {reprlib.repr(unlisted)} are not in its {SHARDED_CHECKPOINT_FILE}'s "
+                             "checksums: the checkpoint is damaged or not netgain's")
+        for name, digest in files.items():
             if _sha256(Path(path) / name, "--resume") != digest:
                 raise ValueError(f"--resume {path}: {name} does not match the SHA-256 in its {SHARDED_CHECKPOINT_FILE}: "
                                  "the checkpoint is damaged (a changed or truncated file)")

@@ -20,8 +20,9 @@ from netgain.train.loop import train_worker
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WORKER_GRACE_S = 2  # after a worker fails or a signal, the others get this long to exit before SIGKILL
-# a worker's failures whose message says it all (a full disk, a diverged loss): one line, no traceback above it
-EXPLAINED_ERRORS = ("WriteError", "NonFiniteLossError")
+# a worker's failures whose message says it all (a full disk, a diverged loss, a checkpoint file that would run
+# code): one line, no traceback above it
+EXPLAINED_ERRORS = ("WriteError", "NonFiniteLossError", "UnpicklingError")
 
 
 def launched_by_torchrun() -> bool:
@@ -84,8 +85,7 @@ def spawn_workers(config: TrainConfig) -> int:
                 if context.join(timeout=0.2, grace_period=WORKER_GRACE_S):
                     return 0
         except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as error:
-            explained = _reason(error).split(":")[0].split(".")[-1] in EXPLAINED_ERRORS or _timed_out(error)
-            print(("" if explained else f"{error}\n") + worker_failure(error, config), file=sys.stderr)
+            print(("" if explained(error) else f"{error}\n") + worker_failure(error, config), file=sys.stderr)
             return 1
         stop_workers(context.processes)
     name = signal.Signals(received[0]).name
@@ -99,6 +99,11 @@ def worker_failure(error: Exception, config: TrainConfig) -> str:
     if _timed_out(error):
         line += f" (a peer was silent for --collective-timeout {config.collective_timeout:g} s)"
     return line
+
+
+def explained(error: Exception) -> bool:
+    """Whether a worker's failure says it all in its closing line, so its traceback is left out."""
+    return _reason(error).split(":")[0].split(".")[-1] in EXPLAINED_ERRORS or _timed_out(error)
 
 
 def _timed_out(error: Exception) -> bool:
