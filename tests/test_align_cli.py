@@ -91,6 +91,8 @@ def test_out_inside_model_is_refused_before_anything_is_written(tmp_path, inside
 def test_model_must_be_a_local_hugging_face_directory(tmp_path):
     with pytest.raises(SystemExit, match="no such directory"):
         cli.run(parse("--model", str(tmp_path / "missing"), "--out", str(tmp_path / "out"), "--cost", "a100"))
+    with pytest.raises(SystemExit, match="--model '': no such directory"):  # was taken as the current directory
+        cli.run(parse("--model", "", "--out", str(tmp_path / "out"), "--cost", "a100"))
     (tmp_path / "plain").mkdir()
     with pytest.raises(SystemExit, match="no config.json"):
         cli.run(parse("--model", str(tmp_path / "plain"), "--out", str(tmp_path / "out"), "--cost", "a100"))

@@ -96,8 +96,8 @@ def model_dir(model: str | None) -> Path:
         print(f"netgain align: no --model given; using the packaged Gemma-3-270M from {path}", file=sys.stderr)
         return path
     path = Path(model)
-    if not path.is_dir():
-        raise SystemExit(f"--model {model}: no such directory (a local Hugging Face model directory; omit --model "
+    if not model or not path.is_dir():  # '' would be the current directory
+        raise SystemExit(f"--model {model!r}: no such directory (a local Hugging Face model directory; omit --model "
                          "for the packaged Gemma-3-270M)")
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {model} is not a Hugging Face model directory: it has no config.json")
