@@ -194,3 +194,16 @@ def test_a_pruned_output_is_compressed_again_from_its_real_layers_and_counted_as
         assert counted == sum(p.numel() for p in load(folder).parameters())
     with pytest.raises(SystemExit, match="netgain low-rank model"):
         run_align(tmp_path / "third", "--model", str(tmp_path / "second" / "out"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda config: "{garbage", "its config.json does not load"),
+    (lambda config: json.dumps({**json.loads(config), "num_hidden_layers": 10**7}), "more layers than netgain models"),  # built for minutes
+    (lambda config: json.dumps({**json.loads(config), "hidden_size": 128}), "transformers cannot load it"),  # a traceback
+])
+def test_a_model_folder_that_does_not_load_is_named_in_one_line(tmp_path, edit, message):
+    model = tiny_model_dir(tmp_path / "model")
+    (model / "config.json").write_text(edit((model / "config.json").read_text()))
+    with pytest.raises((ValueError, SystemExit), match=message):
+        cli.run(parse("--model", str(model), "--out", str(tmp_path / "out"), "--cost", "a100",
+                      "--calib", str(model / "config.json"), "--eval", str(model / "config.json")))

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cost.modelconfig import load_config
 from ..cost.profile import MAX_ROUNDS
 from . import store
 from .config import COSTS, VARIANTS as APPLIED
@@ -101,6 +102,7 @@ def model_dir(model: str | None) -> Path:
                          "for the packaged Gemma-3-270M)")
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {model} is not a Hugging Face model directory: it has no config.json")
+    load_config(path, "--model")  # a regular file that loads, its layers bounded before any build
     factorised = [name for name, spec in store.compressed_modules(path).items() if spec.get("kind") == "lowrank"]
     if factorised:
         raise SystemExit(f"--model {model} is a netgain low-rank model ({len(factorised)} Linears already factorised): "
@@ -213,11 +215,15 @@ def run(args) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    if store.manifest(source) is not None:  # a pruned netgain model: its real, pruned layers
-        model = store.load(source, args.dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        if store.manifest(source) is not None:  # a pruned netgain model: its real, pruned layers
+            model = store.load(source, args.dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
+    except (OSError, ValueError, RuntimeError) as error:  # missing or mismatched weights, no tokenizer, ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"--model {source}: transformers cannot load it ({reason})") from None
     try:
         chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
     except ValueError as error:
