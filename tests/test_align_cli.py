@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import pickle
 import statistics
 from pathlib import Path
 
@@ -207,3 +208,23 @@ def test_a_model_folder_that_does_not_load_is_named_in_one_line(tmp_path, edit, 
     with pytest.raises((ValueError, SystemExit), match=message):
         cli.run(parse("--model", str(model), "--out", str(tmp_path / "out"), "--cost", "a100",
                       "--calib", str(model / "config.json"), "--eval", str(model / "config.json")))
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("name, weights", [("model.safetensors", lambda marker: b"\x10\x00"),
+                                           ("pytorch_model.bin", lambda marker: pickle.dumps(RunsCode(marker)))])
+def test_weights_that_do_not_load_are_named_in_one_line_and_run_nothing(tmp_path, name, weights):
+    model = tiny_model_dir(tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    (model / name).write_bytes(weights(tmp_path / "code-ran"))  # tracebacks before
+    with pytest.raises(SystemExit, match="transformers cannot load it"):
+        cli.run(parse("--model", str(model), "--out", str(tmp_path / "out"), "--cost", "a100",
+                      "--calib", str(model / "config.json"), "--eval", str(model / "config.json")))
+    assert not (tmp_path / "code-ran").exists()

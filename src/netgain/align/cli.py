@@ -221,7 +221,7 @@ def run(args) -> int:
             model = store.load(source, args.dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
-    except (OSError, ValueError, RuntimeError) as error:  # missing or mismatched weights, no tokenizer, ...
+    except Exception as error:  # missing, truncated, pickled or mismatched weights, no tokenizer, ... (as modelconfig)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SystemExit(f"--model {source}: transformers cannot load it ({reason})") from None
     try:
