@@ -200,7 +200,7 @@ def test_a_pruned_output_is_compressed_again_from_its_real_layers_and_counted_as
 @pytest.mark.parametrize("edit, message", [
     (lambda config: "{garbage", "its config.json does not load"),
     (lambda config: json.dumps({**json.loads(config), "num_hidden_layers": 10**7}), "more layers than netgain models"),  # built for minutes
-    (lambda config: json.dumps({**json.loads(config), "hidden_size": 128}), "transformers cannot load it"),  # a traceback
+    (lambda config: json.dumps({**json.loads(config), "hidden_size": 128}), "cannot load it"),  # a traceback
 ])
 def test_a_model_folder_that_does_not_load_is_named_in_one_line(tmp_path, edit, message):
     model = tiny_model_dir(tmp_path / "model")
@@ -224,7 +224,7 @@ def test_weights_that_do_not_load_are_named_in_one_line_and_run_nothing(tmp_path
     model = tiny_model_dir(tmp_path / "model")
     (model / "model.safetensors").unlink()
     (model / name).write_bytes(weights(tmp_path / "code-ran"))  # tracebacks before
-    with pytest.raises(SystemExit, match="transformers cannot load it"):
+    with pytest.raises(SystemExit, match="cannot load it"):
         cli.run(parse("--model", str(model), "--out", str(tmp_path / "out"), "--cost", "a100",
                       "--calib", str(model / "config.json"), "--eval", str(model / "config.json")))
     assert not (tmp_path / "code-ran").exists()

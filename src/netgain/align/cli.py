@@ -223,7 +223,7 @@ def run(args) -> int:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
     except Exception as error:  # missing, truncated, pickled or mismatched weights, no tokenizer, ... (as modelconfig)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SystemExit(f"--model {source}: transformers cannot load it ({reason})") from None
+        raise SystemExit(f"--model {source}: cannot load it ({reason})") from None
     try:
         chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
     except ValueError as error:
