@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import os
 import pickle
 import statistics
 from pathlib import Path
@@ -158,11 +159,17 @@ def test_bad_paths_are_named_before_compressing(tmp_path):
     model = str(tiny_model_dir(tmp_path / "model"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("a user's file")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "fifos").mkdir()
+    os.mkfifo(tmp_path / "fifos" / "a.txt")
     out = ["--out", str(tmp_path / "out")]
     for argv, message in (
         ([*out, "--calib", str(tmp_path / "missing.txt")], "--calib .*missing.txt: No such file"),
         ([*out, "--calib", str(tmp_path / "empty")], "--calib .*empty: no [*].txt files"),
         ([*out, "--eval", str(tmp_path / "missing.txt")], "--eval .*missing.txt: No such file"),
+        ([*out, "--calib", str(tmp_path / "fifo")], "--calib .*fifo is a FIFO"),  # blocked for ever
+        ([*out, "--eval", "/dev/zero"], "--eval /dev/zero is a character device"),  # never ended
+        ([*out, "--calib", str(tmp_path / "fifos")], "--calib .*a.txt is a FIFO"),
         (["--out", str(tmp_path / "file")], "is an existing file, not a directory"),
         (["--out", str(tmp_path / "file" / "sub")], "file is an existing file, not a directory"),
         ([*out, "--eval", ""], "--eval is empty"),

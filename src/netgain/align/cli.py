@@ -158,7 +158,7 @@ def text(path: str | None, flag: str) -> str:
         raise SystemExit(f"--{flag} is empty: give a text file or a directory of *.txt (or leave --{flag} out for the "
                          "Python docs)")
     try:
-        return read_text(path)
+        return read_text(path, f"--{flag}")
     except OSError as error:
         raise SystemExit(f"--{flag} {path}: {error.strerror or error} (a text file or a directory of *.txt)") from None
 

@@ -18,18 +18,22 @@ import torch
 from torch import nn
 
 from ..cost.latency import predict
+from ..files import in_bytes, machine_memory_bytes, require_regular_file
 from ..cost.timing import interleaved
 
 
-def read_text(path: str | Path) -> str:
-    """A text file, or every *.txt under a directory (sorted), joined."""
+def read_text(path: str | Path, flag: str = "text") -> str:
+    """A text file, or every *.txt under a directory (sorted), joined. Only regular files are read, at most
+    a quarter of this machine's memory in all (a FIFO blocked for ever, /dev/zero never ended); else a
+    ValueError naming `flag`."""
     path = Path(path)
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-        if not files:
-            raise FileNotFoundError(f"no *.txt files under {path}")
-        return "\n\n".join(f.read_text(errors="replace") for f in files)
-    return path.read_text(errors="replace")
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no *.txt files under {path}")
+    limit = machine_memory_bytes() // 4
+    if sum(require_regular_file(file, flag, limit) for file in files) > limit:
+        raise ValueError(f"{flag} {path} holds more than the {in_bytes(limit)} of text netgain reads")
+    return "\n\n".join(f.read_text(errors="replace") for f in files)
 
 
 def token_chunks(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
