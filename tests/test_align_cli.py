@@ -174,6 +174,7 @@ def test_bad_paths_are_named_before_compressing(tmp_path):
         (["--out", str(tmp_path / "file" / "sub")], "file is an existing file, not a directory"),
         ([*out, "--eval", ""], "--eval is empty"),
         (["--out", ""], "--out is required"),
+        (["--out", "/proc/self/out"], "--out /proc/self/out: cannot write in /proc/self"),  # failed after compressing
             ([], "--out is required"),
         ([*out, "--cost", "measured", "--cache", str(tmp_path / "empty")], "cache .*empty is a folder, not a regular file"),
     ):

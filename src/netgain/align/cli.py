@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..cost.modelconfig import load_config
@@ -122,6 +123,11 @@ def check_out(out: str | None, model: Path, flag: str = "--out") -> Path:
     existing = next(p for p in (path, *path.parents) if p.exists())  # what saving would create the folder in
     if not existing.is_dir():
         raise SystemExit(f"{flag} {out}: {existing} is an existing file, not a directory: choose a directory")
+    try:  # before any work: /proc/self/x failed at the save, after compressing
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise SystemExit(f"{flag} {out}: cannot write in {existing} ({error.strerror or error})") from None
     if any(os.path.samefile(p, model) for p in (existing, *existing.parents)):
         raise SystemExit(f"{flag} {out} is --model {model} or inside it: saving would overwrite the input model; "
                          "choose another directory")
