@@ -99,3 +99,10 @@ def test_an_earlier_output_with_hard_links_to_model_is_rewritten_without_touchin
     run_align(tmp_path / "second", "--model", str(source), "--out", str(copy), "--method", "asvd", "--variants", "gac")
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before
     assert any(isinstance(m, LowRankLinear) for m in load(copy).modules())
+
+
+def test_an_output_whose_weights_do_not_load_is_named_in_one_line(tmp_path):
+    folder = hostile_copy(tmp_path, lambda modules: None)
+    (folder / "model.safetensors").write_bytes(b"\x10\x00")  # a SafetensorError traceback before
+    with pytest.raises(SystemExit, match="--model .*saved: cannot load it"):
+        cli.run(parse("export", "--model", str(folder), "--dense", str(tmp_path / "dense")))

@@ -184,14 +184,24 @@ def align_config(args):
                        tolerance=args.tolerance, variant=args.save)
 
 
+def loaded(source: Path, load):
+    """load(), with anything a folder that does not load raises (missing, truncated, pickled or mismatched
+    weights, no tokenizer, a hostile manifest: tracebacks before) as one line naming --model."""
+    try:
+        return load()
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"--model {source}: cannot load it ({reason})") from None
+
+
 def export(args) -> int:
     """`netgain align export`: the dense copy (`store.export_dense`), and what it gives up."""
     source = Path(args.model)
     if store.manifest(source) is None:
         raise SystemExit(f"--model {args.model}: not a folder netgain align wrote (no netgain manifest.json)")
     out = check_out(args.dense, source, "--dense")
-    compressed = sum(p.numel() for p in store.load(source).parameters())
-    dense = sum(p.numel() for p in store.export_dense(source, out).parameters())
+    compressed = sum(p.numel() for p in loaded(source, lambda: store.load(source)).parameters())
+    dense = sum(p.numel() for p in loaded(source, lambda: store.export_dense(source, out)).parameters())
     print(f"wrote a plain transformers model to {out}: {dense:,} parameters, where {source} holds {compressed:,}. "
           "Same function, at the dense size: the export gives up the compression's memory and speed.")
     return 0
@@ -221,15 +231,12 @@ def run(args) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        if store.manifest(source) is not None:  # a pruned netgain model: its real, pruned layers
-            model = store.load(source, args.dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
-    except Exception as error:  # missing, truncated, pickled or mismatched weights, no tokenizer, ... (as modelconfig)
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SystemExit(f"--model {source}: cannot load it ({reason})") from None
+    tokenizer = loaded(source, lambda: AutoTokenizer.from_pretrained(source, local_files_only=True))
+    if store.manifest(source) is not None:  # a pruned netgain model: its real, pruned layers
+        model = loaded(source, lambda: store.load(source, args.dtype))
+    else:
+        model = loaded(source, lambda: AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, args.dtype), local_files_only=True).eval())
     try:
         chunks = evaluate.token_chunks(tokenizer, calib_text, args.calib_len, args.calib_seqs + args.check_seqs)
     except ValueError as error:
