@@ -138,18 +138,14 @@ def _compile_loop() -> None:
 
 
 def _argument_class(args) -> tuple:
-    """What a dynamic-shape graph is specialised on, for the tensors among ``args``: dtype, rank, sizes 0
-    and 1 (torch.compile specialises them), which sizes are equal (it gives equal sizes one symbol), and
-    the other arguments' values. A call of another class would recompile, so it gets its own variant."""
-    sizes, classes = [], []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            classes.append((a.dtype, a.dim(), tuple(min(n, 2) for n in a.shape), a.is_contiguous()))
-            sizes.extend(a.shape)
-        else:
-            classes.append(a)
-    first = {}
-    return tuple(classes), tuple(first.setdefault(n, i) for i, n in enumerate(sizes) if n > 1)
+    """What a dynamic-shape graph is specialised on: for tensors, dtype, rank, contiguity and which sizes are
+    0 or 1 (torch.compile specialises those); integers likewise (0, 1 or any other: one graph serves every
+    bit width); other values as they are (floats are specialised). A call of another class would recompile
+    inside the call, so it gets a graph of its own, compiled in the background. Left out on purpose: which
+    sizes are equal (a graph traced with two equal sizes guards on it), so that classes stay few; a call
+    that breaks such a guard recompiles inside the call, as without this module."""
+    return tuple((a.dtype, a.dim(), tuple(min(n, 2) for n in a.shape), a.is_contiguous())
+                 if isinstance(a, torch.Tensor) else min(a, 2) if type(a) is int and a >= 0 else a for a in args)
 
 
 def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
