@@ -10,6 +10,11 @@ BYTE_VOCAB = 256
 HEAD_DIM = 32
 
 
+def mlp_size(hidden_size: int) -> int:
+    """byte_llama's MLP width: the SwiGLU 8/3 ratio, a multiple of 16 (the train job's memory check counts it too)."""
+    return 16 * round(hidden_size * 8 / 3 / 16)
+
+
 def byte_llama(hidden_size: int, num_layers: int, max_seq_len: int) -> nn.Module:
     """A small decoder-only Hugging Face Llama over bytes (no tokenizer download).
 
@@ -23,7 +28,7 @@ def byte_llama(hidden_size: int, num_layers: int, max_seq_len: int) -> nn.Module
     config = LlamaConfig(
         vocab_size=BYTE_VOCAB,
         hidden_size=hidden_size,
-        intermediate_size=16 * round(hidden_size * 8 / 3 / 16),  # the SwiGLU 8/3 ratio
+        intermediate_size=mlp_size(hidden_size),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),

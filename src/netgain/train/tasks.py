@@ -39,7 +39,7 @@ class LanguageModelTask:
     @staticmethod
     def parameter_count(c: TrainConfig) -> int:
         """byte_llama's parameters, counted from the settings: building 100,000 layers to count them takes minutes."""
-        h, intermediate = c.hidden_size, _intermediate_size(c.hidden_size)
+        h, intermediate = c.hidden_size, models.mlp_size(c.hidden_size)
         key_value = max(1, h // models.HEAD_DIM // 2) * models.HEAD_DIM
         layer = 2 * h * h + 2 * h * key_value + 3 * h * intermediate + 2 * h
         return 2 * models.BYTE_VOCAB * h + h + c.layers * layer
@@ -50,7 +50,7 @@ class LanguageModelTask:
         and for each of batch x seq-len tokens the activations backward keeps: per layer at least its
         input, normed input, query and attention output (4 x hidden) and the MLP's gate, up and product
         (3 x intermediate), and the logits and their gradient."""
-        per_token = c.layers * (4 * c.hidden_size + 3 * _intermediate_size(c.hidden_size)) + 2 * models.BYTE_VOCAB
+        per_token = c.layers * (4 * c.hidden_size + 3 * models.mlp_size(c.hidden_size)) + 2 * models.BYTE_VOCAB
         return FP32_BYTES * (PARAMETER_COPIES * cls.parameter_count(c) // (c.shards or 1)
                              + c.batch_size * c.seq_len * per_token)
 
@@ -77,10 +77,6 @@ class LanguageModelTask:
                                  dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         return {"val_loss": (sums[0] / sums[1]).item()}
-
-
-def _intermediate_size(hidden_size: int) -> int:
-    return 16 * round(hidden_size * 8 / 3 / 16)  # as models.byte_llama builds its MLP
 
 
 class DigitsTask:
