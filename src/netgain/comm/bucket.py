@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .codecs import Context, NoCompression
+from .codecs import Codec, Context, NoCompression
 from .collectives import Communicator
 from .store import BucketLayout
 
@@ -232,10 +232,10 @@ class Pipeline:
         self.communicator = Communicator(state.process_group)
         if state.planner is not None:
             state.planner.attach(self.communicator)
-        codec = state.chooser
         # A fixed codec without a header issues one collective per bucket and waits for nothing before it:
         # DDP's autograd thread can launch it in bucket order itself, with no thread hand-off.
-        self.inline = (state.planner is None and not codec.needs_header and not codec.relays
+        fixed = state.chooser if isinstance(state.chooser, Codec) else None
+        self.inline = (fixed is not None and not fixed.needs_header and not fixed.relays
                        and state.config.nonfinite == "raise")
         # the thread that runs codecs keeps the caller's intra-op thread count: OpenMP's is per thread, and a
         # new thread's default (every core) oversubscribes what the user set and makes matmuls run-dependent
