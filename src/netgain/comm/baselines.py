@@ -7,7 +7,8 @@ equal terms:
                   (its docs: start_powerSGD_iter must exceed 1 because DDP rebuilds buckets).
 Wire bytes are what each hook hands to its allreduces, from its documented algorithm: PowerSGD
 sends P (n x r) and Q (m x r) in fp32 for every matrix where that compresses by at least
-min_compression_rate, and everything else (vectors, small matrices) uncompressed.
+min_compression_rate, and everything else (vectors, small matrices) uncompressed. Those are also the bytes an
+emulated link (`link`, emulate.EmulatedLink: netgain train --emulate-link) holds each bucket for.
 """
 
 import time
@@ -27,6 +28,8 @@ class TorchHookState:
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
         self.name, self.step, self.history, self.last_step = name, 0, [], {}
+        self.process_group = process_group
+        self.link = None  # an EmulatedLink: each bucket completes once its wire bytes could have crossed it
         if name == "ddp-powersgd":
             self.inner_state = powersgd.PowerSGDState(process_group, matrix_approximation_rank=rank,
                                                       start_powerSGD_iter=max(2, warmup_steps))
@@ -63,11 +66,15 @@ class TorchHookState:
 
 
 def hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state._wire += state.wire_bytes(bucket)
+    wire = state.wire_bytes(bucket)
+    state._wire += wire
     state._raw += 4 * bucket.buffer().numel()
-    state._last_submit = time.perf_counter()
+    state._last_submit = start = time.perf_counter()
     is_last = bucket.is_last()
     future = state.inner_hook(state.inner_state, bucket)
+    if state.link is not None:  # every hook here sends its bytes by allreduce
+        due = state.link.reserve("allreduce", wire, dist.get_world_size(state.process_group), start)
+        future = state.link.hold(future, due, bucket.buffer().device)
 
     def record(done):
         if is_last:

@@ -8,13 +8,15 @@ collectives synchronously. Three aggregation patterns:
   ring       - a ring reduce-scatter over point-to-point send/recv where each hop merges two
                payloads with the codec's own combine, then a native allgather of the reduced
                chunks: any world size, one payload size on the wire per rank like a ring allreduce.
+An optional `link` (emulate.EmulatedLink, `netgain train --emulate-link`) holds each collective until
+its bytes could have crossed a slower link than the real one.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,13 +24,17 @@ import torch.distributed as dist
 # torch >= 2.13 renamed all_gather_into_tensor (which warns there) to all_gather_single
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+if TYPE_CHECKING:
+    from .emulate import EmulatedLink
+
 
 class Communicator:
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, link: EmulatedLink | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.observer: Callable[[str, int, float, int], None] | None = None  # e.g. a BandwidthMonitor
+        self.link = link  # an emulated slower link: comm_s and the observer then see its times
 
     def _seen(self, collective: str, payload_bytes: int, seconds: float) -> None:
         if self.observer is not None:
@@ -55,6 +61,9 @@ class Communicator:
             gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
             work_future = _all_gather_flat(gathered, payload, group=self.group, async_op=True).get_future()
             value = gathered.view(self.world_size, *payload.shape)
+        if self.link is not None:
+            due = self.link.reserve(collective, payload_bytes, self.world_size, start)
+            work_future = self.link.hold(work_future, due, payload.device)
 
         def finished(future):
             future.value()  # re-raises a failed collective
@@ -69,6 +78,8 @@ class Communicator:
         """Blocking in-place native allreduce (headers, the planner); returns the tensor."""
         start = time.perf_counter()
         dist.all_reduce(tensor, op=op, group=self.group)
+        if self.link is not None:
+            self.link.wait(self.link.reserve("allreduce", tensor.numel() * tensor.element_size(), self.world_size, start))
         seconds = time.perf_counter() - start
         if record is not None:
             record["wire_bytes"] = record.get("wire_bytes", 0) + tensor.numel() * tensor.element_size()

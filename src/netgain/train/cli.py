@@ -15,7 +15,9 @@ from pathlib import Path
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
 from netgain import data, models
+from netgain.comm.emulate import link_rate
 from netgain.files import RUN_MARKER, claim_folder, in_bytes, machine_memory_bytes, require_regular_file, same_file
+from netgain.train import compare
 from netgain.train.checkpoints import (check_checkpoint_paths, check_resume, checkpoint_paths, read_checkpoint,
                                        resume_changes, verify_checkpoint)
 from netgain.train.config import TrainConfig, flag
@@ -100,6 +102,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"{COLLECTIVE_TIMEOUT_RANGE[0]}..{COLLECTIVE_TIMEOUT_RANGE[1]} (default "
                         f"{COLLECTIVE_TIMEOUT_S}); a rank without progress says so after "
                         f"{SILENCE_NOTICE_S} s (or half this timeout)")
+    parser.add_argument("--emulate-link", metavar="RATE",
+                        help="emulate a slower link between the workers, e.g. 100mbit, 1gbit, 50Mb/s, 12MB/s: each "
+                        "collective of the gradient hook (netgain's codecs and ddp*) completes no earlier than its "
+                        "bytes sent per rank / RATE after it began, one collective after another; step times and "
+                        "fp32's prediction are then on this link, and say so")
+    parser.add_argument("--compare", action="store_true",
+                        help="after this run, run the same job (seed, steps, --emulate-link) with " +
+                        " and ".join(compare.BASELINES) + " (PowerSGD at --rank), under --out/<codec>, and print "
+                        "the step times and times to a common train loss side by side (local workers only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +122,18 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         train_worker(int(os.environ["RANK"]), config.world_size, config, "env://")
         return 0
-    return spawn_workers(config)
+    code = spawn_workers(config)
+    if code or not config.compare:
+        return code
+    runs = [config]
+    for baseline in compare.baseline_configs(config):
+        runs.append(prepare_outputs(baseline))
+        print(f"netgain train --compare: the same job with --codec {baseline.codec}", file=sys.stderr)
+        code = spawn_workers(runs[-1])
+        if code:
+            return code
+    compare.report(runs)
+    return 0
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
@@ -137,14 +159,16 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          data=args.data, eval_every=args.eval_every, out=args.out, checkpoint=args.checkpoint,
                          checkpoint_every=args.checkpoint_every, resume=args.resume,
                          hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
-                         collective_timeout=args.collective_timeout)
-    for name in ("data", "out", "checkpoint", "resume"):  # '' is a typo, never "not given"
+                         collective_timeout=args.collective_timeout, emulate_link=args.emulate_link,
+                         compare=args.compare)
+    for name in ("data", "out", "checkpoint", "resume", "emulate_link"):  # '' is a typo, never "not given"
         _require(getattr(args, name) != "", name, "must not be empty (leave the flag out instead)", "''")
     check_numbers(config)
     if not launched_by_torchrun():
         check_local_world_size(config.world_size)
     check_memory(config)
     check_data(config)
+    check_emulation(config)
     if config.fsdp:
         check_fsdp(config, checkpoint)
     if config.checkpoint:
@@ -182,6 +206,23 @@ def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
         raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
                          "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
                          "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
+
+
+def check_emulation(c: TrainConfig) -> None:
+    """--emulate-link's rate, and the runs --emulate-link and --compare apply to."""
+    if c.emulate_link:
+        link_rate(c.emulate_link)
+        if c.world_size == 1:
+            raise ValueError(f"--emulate-link {c.emulate_link} needs at least 2 workers: 1 worker sends nothing")
+        if c.fsdp:
+            raise ValueError(f"--emulate-link {c.emulate_link} does not apply under --fsdp: FSDP's own collectives "
+                             "inside a replica would not be held")
+    if c.compare:
+        for ok, why in ((not launched_by_torchrun(), "runs local workers, not under torchrun"),
+                        (not c.fsdp, f"runs DDP baselines ({', '.join(compare.BASELINES)}), not under --fsdp"),
+                        (not c.resume, "runs each baseline from step 0, not with --resume")):
+            if not ok:
+                raise ValueError(f"--compare {why}")
 
 
 def check_numbers(c: TrainConfig) -> None:

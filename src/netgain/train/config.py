@@ -37,6 +37,8 @@ class TrainConfig:
     layers: int
     seq_len: int
     collective_timeout: float
+    emulate_link: str | None = None  # a rate ('100mbit'): every collective held until its bytes crossed it
+    compare: bool = False  # then also run ddp and ddp-powersgd on the same job, and compare
     run_id: str = ""  # set by prepare_outputs: the id in --out's marker (files.RUN_MARKER), rank 0's only
 
 

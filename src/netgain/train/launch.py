@@ -74,7 +74,8 @@ def local_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
 def spawn_workers(config: TrainConfig) -> int:
     """Local gloo workers; a SIGINT or SIGTERM to this parent stops them too (else they trained on)."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    print(f"netgain train: starting {config.world_size} local workers", file=sys.stderr)
+    on = f" on an emulated {config.emulate_link} link" if config.emulate_link else ""
+    print(f"netgain train: starting {config.world_size} local workers{on}", file=sys.stderr)
     received: list[int] = []
     with _record_signals(received):
         context = torch.multiprocessing.start_processes(

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
 from netgain.comm import kernel
+from netgain.comm.emulate import EmulatedLink
 from netgain.train.checkpoints import (finish_sharded_checkpoint, read_checkpoint, read_sharded_checkpoint,
                                        resume_changes, sharded_partial_path, write_checkpoint)
 from netgain.train.config import TrainConfig
@@ -65,33 +67,54 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, init_method: s
 
 
 class SilenceNotice:
-    """Says on stderr when this rank has made no progress for a while: a silent peer, not a silent hang."""
+    """Says on stderr when this rank has made no progress for a while. A codec kernel compiling on this rank
+    (torch.compile, seconds to a minute on few cores) is named as such: only when nothing compiles here
+    may a silent peer be to blame. ``compiling`` and ``clock`` are kernel.compiling and time.monotonic
+    (tests give others)."""
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, compiling: Callable[[], bool] = kernel.compiling,
+                 clock: Callable[[], float] = time.monotonic):
         self.rank, self.timeout_s = rank, timeout_s
+        self.compiling, self.clock = compiling, clock
         self.after_s = min(SILENCE_NOTICE_S, timeout_s / 2)
-        self.mark = ("joining the other workers", time.monotonic())
+        self.mark = ("joining the other workers", clock())
+        self.compiling_since: float | None = None  # when this rank was first seen compiling, while it still is
+        self._told = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="netgain-silence-notice", daemon=True)
         self._thread.start()
 
     def beat(self, doing: str) -> None:
-        self.mark = (doing, time.monotonic())
+        self.mark = (doing, self.clock())
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
 
     def _watch(self) -> None:
-        told = None
         while not self._stop.wait(self.after_s / 4):
-            doing, since = self.mark
-            silent = time.monotonic() - since
-            if silent >= self.after_s and told != (since, int(silent // self.after_s)):
-                told = (since, int(silent // self.after_s))
-                print(f"netgain train: rank {self.rank} has made no progress for {silent:.0f} s while {doing}: "
-                      f"a peer may be stuck or gone, or a codec compiling its kernels (the run fails after --collective-timeout "
-                      f"{self.timeout_s:g} s of waiting)", file=sys.stderr, flush=True)
+            line = self.check()
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
+    def check(self) -> str | None:
+        """The notice due now, once per after_s of silence; None while progress is made or already told."""
+        now, (doing, since) = self.clock(), self.mark
+        if not self.compiling():
+            self.compiling_since = None
+        elif self.compiling_since is None:
+            self.compiling_since = now
+        silent = now - since
+        if silent < self.after_s or self._told == (since, int(silent // self.after_s)):
+            return None
+        self._told = (since, int(silent // self.after_s))
+        if self.compiling_since is not None:
+            why = (f"this rank is compiling codec kernels (for at least {now - self.compiling_since:.0f} s; its codecs "
+                   "run eagerly meanwhile, and its peers wait for it)")
+        else:
+            why = "a peer may be stuck or gone, or still compiling its kernels"
+        return (f"netgain train: rank {self.rank} has made no progress for {silent:.0f} s while {doing}: {why} "
+                f"(the run fails after --collective-timeout {self.timeout_s:g} s of waiting)")
 
 
 class Trainer:
@@ -125,15 +148,26 @@ class Trainer:
                                                 budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
                                                 lowrank_rank=config.kimad_lowrank_rank,
                                                 **codec)
+        if config.emulate_link:
+            self.emulate_link(EmulatedLink(config.emulate_link))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
+
+    def emulate_link(self, link: EmulatedLink) -> None:
+        """Every collective the gradient hook launches is held until its bytes could have crossed ``link``."""
+        if isinstance(self.comm_state, comm.baselines.TorchHookState):
+            self.comm_state.link = link
+        else:  # netgain's Communicator is made with its pipeline at the first bucket: made now, so step 0 is held too
+            self.comm_state._start(side_stream=True)
+            self.comm_state.pipeline.communicator.link = link
 
     def train(self) -> None:
         c = self.config
         history: dict[str, list] = {"step": [], "step_s": [], "compiled": [], "time_unix": [], "train_loss": []}
         validations = [{"step": self.start_step, **self.evaluate()}]
         samples_per_step = c.batch_size * self.world_size
-        bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0)
+        bar = _progress(range(self.start_step, c.steps), enabled=self.rank == 0,
+                        desc=f"train, emulated {c.emulate_link}" if c.emulate_link else "train")
         for step in bar:
             self.progress.beat(f"in step {step}")
             compiled_before = kernel.compiled_kernels()
@@ -244,7 +278,7 @@ class Trainer:
         return step
 
 
-def _progress(steps: range, enabled: bool):
+def _progress(steps: range, enabled: bool, desc: str):
     from tqdm import tqdm
 
-    return tqdm(steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+    return tqdm(steps, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True)

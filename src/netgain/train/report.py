@@ -16,12 +16,16 @@ from torch import nn
 import netgain.comm as comm
 from netgain import models
 from netgain.comm import bandwidth
+from netgain.comm.emulate import EmulatedLink
 from netgain.cost import network as net
 from netgain.files import require_claimed, write_atomically
 from netgain.train.config import TrainConfig
 
-OUTPUT_FILES = ("record.json", "loss.png", "adaptive.png")  # what a run writes under --out
+COMPARE_FILE = "compare.json"  # --compare's, in the main run's --out
+OUTPUT_FILES = ("record.json", "loss.png", "adaptive.png", COMPARE_FILE)  # what a run writes under --out
 LINK_FIT_SAMPLES = 256  # the link is fitted to the run's last 256 bucket collectives (as Kimad's monitor keeps)
+TIMED_ROWS = ("samples_per_s", "step_s", "compute_s", "comm_wait_s", "predicted_fp32_step_s", "link_bandwidth_Bps",
+              "link_overhead_s")  # the summary's rows that a link's speed sets
 FINAL_TRAIN_LOSS_WINDOW = 10  # final train loss = mean over the last 10 steps (one step is noise)
 
 
@@ -50,13 +54,17 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
     """Means over the steady steps of this run: after the first (which also builds DDP's buckets), and
     without the steps in which a codec kernel compiled (its codecs ran eagerly while torch.compile worked in
     the background, or waited for it); and fp32's step
-    time on this run's link as netgain's cost model predicts it from the measured compute."""
+    time on this run's link as netgain's cost model predicts it from the measured compute. Under
+    --emulate-link that link has the emulated rate (and the per-bucket overhead fitted to the run)."""
     steps = len(history["step_s"])
     timed = [i for i in range(1, steps) if not history["compiled"][i]] or list(range(steps))
     step_s, wait_s, wire, raw = (_mean([history[key][i] for i in timed])
                                  for key in ("step_s", "wait_s", "wire_bytes", "raw_bytes"))
     hop_size = config.replicas if config.fsdp else world_size  # the ranks the codec's collectives span
     link = fit_link([history["buckets"][i] for i in timed], hop_size)
+    emulated = EmulatedLink(config.emulate_link).link if config.emulate_link else None
+    if emulated and link:
+        link = net.Link(emulated.name, emulated.bandwidth, 0.0, emulated.note, overhead=link.overhead, algorithm="ring")
     fp32_step_s = (net.predict([b["numel"] for b in history["buckets"][-1]], hop_size, link,
                                compute_s=step_s - wait_s).step_s if link else None)
     final = validations[-1]
@@ -65,6 +73,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
         "codec": config.codec,
         "world_size": world_size,
         **({"fsdp_mesh": f"{config.replicas} replicas x {config.shards} shards"} if config.fsdp else {}),
+        **({"emulated_link": config.emulate_link, "emulated_link_Bps": emulated.bandwidth} if emulated else {}),
         "parameters": models.parameter_count(model),
         "steps": history["step"][-1] + 1,
         "samples_per_s": config.batch_size * world_size / step_s,
@@ -110,19 +119,25 @@ def versus_fp32(summary: dict, hop_size: int, fsdp: bool) -> list[str]:
                 "fp32 included"]
     wire, fp32 = summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"]
     saved = f"{fp32 / wire:.1f}x fewer" if wire < fp32 else "no fewer"
-    step = f"step {summary['step_s']:.3g} s measured"
+    emulated = summary.get("emulated_link")
+    on = f" on emulated {emulated}" if emulated else ""
+    step = f"step {summary['step_s']:.3g} s measured{on}"
     if summary["predicted_fp32_step_s"] is None:
         predicted = "fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"
     else:
-        predicted = (f"fp32 {summary['predicted_fp32_step_s']:.3g} s predicted on this link "
-                     f"({bandwidth.in_words(summary['link_bandwidth_Bps'], 'MB/s')}, {summary['link_overhead_s'] * 1e6:,.0f} us "
-                     "per bucket, fitted to the run's collectives)")
+        rate = bandwidth.in_words(summary["link_bandwidth_Bps"], "Mbit/s" if emulated else "MB/s")
+        predicted = (f"fp32 {summary['predicted_fp32_step_s']:.3g} s predicted{on or ' on this link'} ("
+                     + (f"{rate}; " if emulated else f"{rate}, ")
+                     + f"{summary['link_overhead_s'] * 1e6:,.0f} us per bucket, fitted to the run's collectives)")
     return [f"wire {wire / 1e6:.3g} MB/step vs {fp32 / 1e6:.3g} MB fp32: {saved}", f"{step}; {predicted}"]
 
 
 def format_table(summary: dict) -> str:
-    """The summary's numbers as a table, its versus_fp32 lines under it."""
-    rows = [(key, _format(value)) for key, value in summary.items() if key != "versus_fp32"]
+    """The summary's numbers as a table, its versus_fp32 lines under it; under --emulate-link each time and
+    link row says so."""
+    label = f" (emulated {summary['emulated_link']})" if "emulated_link" in summary else ""
+    rows = [(key, _format(value) + (label if key in TIMED_ROWS else ""))
+            for key, value in summary.items() if key != "versus_fp32"]
     width = max(len(key) for key, _ in rows)
     rule = "-" * (width + 2 + max(len(value) for _, value in rows))
     return "\n".join([rule, *(f"{key:<{width}}  {value}" for key, value in rows), rule, *summary["versus_fp32"]])
