@@ -60,6 +60,7 @@ CONTESTANTS = {
     "ddp-fp16": ("torch", "ddp-fp16", {}),
     "ddp-bf16": ("bf16-hook",),
     "ddp-powersgd-r4": ("torch", "ddp-powersgd", {"rank": 4}),
+    "ddp-powersgd-r8": ("torch", "ddp-powersgd", {"rank": 8}),
     "ddp-powersgd-r32": ("torch", "ddp-powersgd", {"rank": 32}),
     "none": ("netgain", "none", {}),
     "fp16": ("netgain", "fp16", {}),
@@ -77,15 +78,18 @@ CONTESTANTS = {
     "lowrank-r4-fp32-w0": ("netgain", "lowrank", {"rank": 4, "factors": "fp32", "warmup_steps": 0}),
     "kimad+": ("netgain", "kimad+", {}),
     "kimad": ("netgain", "kimad", {}),
+    "auto": ("netgain", "auto", {}),
 }
 DEFAULT_CONTESTANTS = ["ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r4", "ddp-powersgd-r32", "fp16", "gqsgd-8",
                        "gqsgd-4", "gqsgd-2", "gqsgd-exp-8", "topk-1%", "randomk-1%", "lowrank-r4-fp32", "lowrank-r4-gqsgd8",
-                       "kimad+", "kimad"]
+                       "kimad+", "kimad", "auto"]
 # ratio columns: every PyTorch hook, time to target of the hook / the contestant's, same round
 PEERS = (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-bf16", "x_bf16_hook"),
-         ("ddp-powersgd-r4", "x_powersgd_r4"), ("ddp-powersgd-r32", "x_powersgd_r32"))
+         ("ddp-powersgd-r4", "x_powersgd_r4"), ("ddp-powersgd-r8", "x_powersgd_r8"), ("ddp-powersgd-r32", "x_powersgd_r32"))
 PEER_TITLES = {"x_ddp": "x fp32 DDP", "x_fp16_hook": "x fp16_compress_hook", "x_bf16_hook": "x bf16_compress_hook",
-               "x_powersgd_r4": "x powerSGD r4", "x_powersgd_r32": "x powerSGD r32"}
+               "x_powersgd_r4": "x powerSGD r4", "x_powersgd_r8": "x powerSGD r8",
+               "x_powersgd_r32": "x powerSGD r32"}
+FIRST_STEPS = 10  # time to target is also reported without a contestant's first steps: a win from the warm-up shows
 WITHIN = 1.10  # the pick counts as right within 10% of the fastest time to target
 
 
@@ -150,16 +154,20 @@ def worker(args) -> None:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
-    def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0) -> dict:
+    best_steady = [math.inf]  # the cell's fastest steady step so far, agreed by every rank
+
+    def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0,
+              may_leave: bool = False) -> dict:
         """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target.
-        seed: the batches'; with --seed-per-round also the initial model's (else seed 0's)."""
+        seed: the batches'; with --seed-per-round also the initial model's (else seed 0's). may_leave: leave the
+        race once the steady step (median of steps 1-10, the slowest rank's) is over --leave-above x the cell's best."""
         torch.manual_seed(seed if args.seed_per_round else 0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         numel = sum(p.numel() for p in model.parameters())
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
         state = register(ddp, CONTESTANTS[label])
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        train_s, eval_s, wire = 0.0, 0.0, []
+        train_s, eval_s, wire, step_times, steady = 0.0, 0.0, [], [], None
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
@@ -168,7 +176,8 @@ def worker(args) -> None:
             ddp(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            train_s += time.perf_counter() - start
+            step_times.append(time.perf_counter() - start)
+            train_s += step_times[-1]
             wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
             if eval_every and (step + 1) % eval_every == 0:
                 start = time.perf_counter()
@@ -176,9 +185,19 @@ def worker(args) -> None:
                 eval_s += time.perf_counter() - start
                 if target is not None and curve[-1][2] <= target:
                     break
+            if len(step_times) == FIRST_STEPS + 1:
+                steady = torch.tensor(statistics.median(step_times[1:]))
+                dist.all_reduce(steady, dist.ReduceOp.MAX)
+                steady = steady.item()
+                left = may_leave and steady > args.leave_above * best_steady[0]
+                best_steady[0] = min(best_steady[0], steady)
+                if left:
+                    break
         if state is not None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire),
+                "step_times": step_times, "steady_step_s": steady, "left_race": steady is not None and len(wire) == FIRST_STEPS + 1
+                and len(wire) < steps and not (target is not None and curve and curve[-1][2] <= target),
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
@@ -189,17 +208,22 @@ def worker(args) -> None:
         round_start = time.perf_counter()
         seed = args.seed + (round_ if args.seed_per_round else 0)
         for label in args.contestants:  # ddp first: it sets the target (round 0's, or each round's)
-            if label == "ddp" and (target is None or args.seed_per_round):
+            if args.targets:
+                target = args.targets[min(round_, len(args.targets) - 1)]
+            if label == "ddp" and not args.targets and (target is None or args.seed_per_round):
                 row = train(label, args.target_step, seed, eval_every=args.eval_every)
                 target = row["curve"][-1][2]
             else:
-                row = train(label, args.cap * args.target_step, seed, target, args.eval_every)
+                row = train(label, args.cap * args.target_step, seed, target, args.eval_every, may_leave=True)
             first = crossing(row["curve"], target)
+            first_s = sum(row["step_times"][:FIRST_STEPS])
             row.update(round=round_, target=target, reached=first is not None, final_loss=row["curve"][-1][2],
-                       steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf)
+                       steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf,
+                       time_to_target_after_first=first[1] - first_s if first and first[0] > FIRST_STEPS else math.inf)
             rows.append(row)
             if rank == 0:
                 outcome = (f"target {target:.4f} at step {first[0]:.1f}, {first[1]:.1f} s" if first else
+                           f"left the race: steady step {row['steady_step_s']:.3f} s" if row["left_race"] else
                            f"val {row['final_loss']:.4f} > target {target:.4f} after {row['steps']} steps")
                 print(f"round {round_} {label}: {outcome}; {row['train_s']:.1f} s training, {row['eval_s']:.1f} s "
                       f"validating, {row['wire_bytes'] / 1e6:.3f} MB/step", flush=True)
@@ -360,6 +384,7 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
             "--seed", str(args.seed), *(["--seed-per-round"] if args.seed_per_round else []), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--hidden", str(args.hidden), "--layers", str(args.layers), "--bucket-mb", str(args.bucket_mb),
             *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else []),
+            "--leave-above", str(args.leave_above), *(["--targets", *map(str, args.targets)] if args.targets else []),
             "--contestants", *contestants]
 
 
@@ -372,6 +397,9 @@ def summarise(rows: list[dict], picks: dict) -> list[dict]:
         row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
                "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
                "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
+               "tta_after_first_s": statistics.median(r.get("time_to_target_after_first", math.inf) for r in mine),
+               "steady_step_s": statistics.median(r["steady_step_s"] for r in mine) if all(r.get("steady_step_s") for r in mine) else None,
+               "left_race": sum(bool(r.get("left_race")) for r in mine),
                "steps_to_target": statistics.median(reached) if reached else None,
                "samples_s": statistics.median(r["samples_s"] for r in mine),
                "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
@@ -383,7 +411,8 @@ def summarise(rows: list[dict], picks: dict) -> list[dict]:
     for row in out:  # what `netgain model --steps-from` reads: steps to target as a multiple of fp32's, in every round
         reached, rounds = row["reached"].split("/")
         row["codec"] = codec_name(row["contestant"])
-        row["steps_ratio"] = row["steps_to_target"] / fp32[row["rate"], row["workers"]] if reached == rounds else None
+        fp32_steps = fp32.get((row["rate"], row["workers"]))
+        row["steps_ratio"] = row["steps_to_target"] / fp32_steps if reached == rounds and fp32_steps else None
     return out
 
 
@@ -487,6 +516,10 @@ def report(rows, summary, picks, meta, out: Path) -> None:
              "x HOOK: per-round ratio of the hook's time to target to the contestant's (> 1: sooner than the hook), "
              "median (min-max); 0.00: the contestant did not reach the target, inf: the hook did not. "
              "Samples/s, wire MB/step (mean over the steps trained), final validation loss: medians over rounds."]
+    if meta.get("targets"):
+        lines += ["", f"Targets given (`--targets`, fp32 DDP's from an earlier run of this job): {meta['targets']}; "
+                  f"ddp raced last. A contestant whose steady step (median of steps 1-{FIRST_STEPS}, slowest rank) was "
+                  f"over {meta['leave_above']:g}x the cell's best so far left the race; its time to target is 'not reached'."]
     for (rate, workers), chosen in picks.items():
         mine = [s for s in summary if (s["rate"], s["workers"]) == (rate, workers)]
         if not mine:
@@ -502,16 +535,18 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                   f"({compute_note(chosen, meta['codec_cost'])}), codec cost {meta['codec_cost']}"
                   + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
                      if chosen.get("steps") is not None else "") + ".", "",
-                  "| contestant | reached | time to target s (min-max) | " + " | ".join(PEER_TITLES[k] for k in peers)
-                  + " | steps to target | samples/s | wire MB/step | final val loss |",
-                  "|---|---|---|" + "---|" * len(peers) + "---|---|---|---|"]
+                  f"| contestant | reached | time to target s (min-max) | without the first {FIRST_STEPS} steps | "
+                  + " | ".join(PEER_TITLES[k] for k in peers)
+                  + " | steps to target | steady step s | samples/s | wire MB/step | final val loss |",
+                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|"]
         for s in mine:
             spread = "" if s["tta_s"] == math.inf else f" ({fmt(s['tta_min'], '.1f')}-{fmt(s['tta_max'], '.1f')})"
-            lines.append(f"| {s['contestant']}{' (pick)' if s['pick'] else ''} | {s['reached']} | "
-                         f"{fmt(s['tta_s'], '.1f')}{spread} | "
+            left = f" (left the race {s['left_race']}x)" if s.get("left_race") else ""
+            lines.append(f"| {s['contestant']}{' (pick)' if s['pick'] else ''} | {s['reached']}{left} | "
+                         f"{fmt(s['tta_s'], '.1f')}{spread} | {fmt(s.get('tta_after_first_s'), '.1f')} | "
                          + " | ".join(format_ratio(s, k) for k in peers)
-                         + f" | {fmt(s['steps_to_target'], '.1f')} | {s['samples_s']:.2f} | {s['wire_MB']:.3f} | "
-                         f"{s['final_loss']:.4f} |")
+                         + f" | {fmt(s['steps_to_target'], '.1f')} | {fmt(s.get('steady_step_s'), '.3f')} | "
+                         f"{s['samples_s']:.2f} | {s['wire_MB']:.3f} | {s['final_loss']:.4f} |")
     lines += ["", "## Verdicts", ""] + [f"- {line}" for line in verdicts(summary, picks)]
     lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
@@ -552,6 +587,12 @@ def main(argv=None) -> int:
     parser.add_argument("--report-from", type=Path, metavar="JSON",
                         help="only rewrite the report from an earlier run's JSON (md, csv, png beside it, and the "
                         "JSON itself with the summary recomputed)")
+    parser.add_argument("--targets", type=float, nargs="+",
+                        help="the target of each round (the last for later rounds), e.g. fp32 DDP's from an earlier run "
+                        "of this job at the same workers and seeds: ddp then races last, and may leave the race")
+    parser.add_argument("--leave-above", type=float, default=2.0,
+                        help="a contestant whose steady step (median of its steps 1-10) is over this x the cell's best "
+                        "so far leaves the race, reported by that step (fp32 DDP at 10 Mbit/s would take hours)")
     parser.add_argument("--quiet-wait", type=float, default=900,
                         help="seconds to wait for a load average below 1.0 before each cell (0: do not wait)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "time_to_accuracy")
@@ -574,7 +615,9 @@ def main(argv=None) -> int:
     from netgain import models
     from provenance import git_commit, wait_for_quiet
 
-    commit, contestants = git_commit(), list(dict.fromkeys(["ddp", *args.contestants]))
+    commit = git_commit()
+    # ddp sets the target, so runs first; given the targets, it races last (it may leave the race)
+    contestants = list(dict.fromkeys([*args.contestants, "ddp"] if args.targets else ["ddp", *args.contestants]))
     shapes = [tuple(p.shape) for p in models.byte_llama(args.hidden, args.layers, args.seq_len).parameters()]
     picks, compute, load = {}, {}, {"before the picks": wait_for_quiet(wait_s=args.quiet_wait)}
     for workers in args.workers:
@@ -598,7 +641,8 @@ def main(argv=None) -> int:
             "compute_s": compute, "codec_cost": args.codec_cost,
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "lr", "rounds", "target_step",
                                              "cap", "eval_every", "eval_batches", "eval_batch_size", "warmup",
-                                             "bucket_mb", "max_minutes", "seed", "seed_per_round")}}
+                                             "bucket_mb", "max_minutes", "seed", "seed_per_round", "targets",
+                                             "leave_above")}}
     report(rows, summarise(rows, picks), picks, meta, args.out)
     return 0
 

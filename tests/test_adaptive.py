@@ -1,7 +1,9 @@
 """Kimad: the bandwidth monitor, and the adaptive hook's plan agreement across ranks."""
 
 import collections
+import dataclasses
 import io
+import json
 import time
 
 import pytest
@@ -263,7 +265,7 @@ def test_option_errors_order_as_expected():
 
 
 def test_bad_planner_arguments():
-    with pytest.raises(ValueError, match=r"is not one of \('kimad', 'kimad\+'\)"):
+    with pytest.raises(ValueError, match=r"is not one of \('kimad', 'kimad\+', 'auto'\)"):
         AdaptivePlanner("kimad++")
     with pytest.raises(ValueError, match="time_budget_s must be > 0"):
         AdaptivePlanner(time_budget_s=0)
@@ -475,3 +477,66 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     sent, truth = out0[1] + out0[2], true_mean(1, 2) + true_mean(2, 2)
     relative = float((sent - truth).norm() / truth.norm())
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
+
+
+def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0)):
+    """auto's options (none, bf16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
+    1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
+    per element, solved."""
+    planner = comm.AutoConfig().build()
+    planner.monitor.update(bandwidth, 0.0, 0.0)
+    planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=(costs or {}).get(o.describe(), (costs or {}).get(o.name, 0.0)))
+                            for o in planner.options]
+    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
+    planner.errors[0] = planner.relative[0] = list(relative)
+    planner._solve(2)
+    return [codec.describe() for _, codec in planner.plan.values()]
+
+
+def test_auto_takes_the_fastest_option_and_spends_no_time_on_accuracy_beyond_its_slack():
+    """A slow link: low rank, whatever it errs (its error feedback keeps what it drops). A link where bytes
+    are free and codecs are not: fp32, no codec work at all. At 1 Gbit/s with low rank's codec dear: gqsgd
+    4-bit (about 0.66 MB) beats 8-bit (1.14 MB) by more than AUTO_SLACK; with 4-bit's encode dearer by a
+    hair, 8-bit, which errs less, is taken within the slack."""
+    assert auto_planner(1e6) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert auto_planner(float("inf"), {"bf16": 1e-9, "gqsgd": 1e-9, "lowrank": 1e-9}) == ["none"]
+    gigabit = {"bf16": 1e-9, "gqsgd": 1e-9, "lowrank": 1e-7}
+    assert auto_planner(125e6, gigabit) == ["gqsgd(bits=4,encoding=packed)"]
+    assert auto_planner(125e6, {**gigabit, "gqsgd(bits=4,encoding=packed)": 4.5e-9}) == ["gqsgd(bits=8,encoding=packed)"]
+    with pytest.raises(ValueError, match="mode='auto' minimises the step's time and takes no time budget"):
+        AdaptivePlanner("auto", time_budget_s=1.0)
+
+
+def test_auto_sends_bf16_until_a_layout_has_its_plan_and_admits_one_error_feedback_memory():
+    """No fp32 warm-up on a slow link: a bucket without a plan (the first steps, DDP's rebuild) goes as bf16,
+    which keeps the first, largest gradients that low rank's random warm start would lose; both low rank
+    options share the one memory (the same rank), so a bucket may switch factor codes between plans."""
+    planner = comm.AutoConfig(rank=8).build()
+    assert planner.codec_for(0, 4096).describe() == "bf16"
+    ranks = {o.rank for o in planner.options if isinstance(o, LowRank)}
+    assert ranks == {8} and isinstance(planner.memory_codec, LowRank) and planner.memory_codec.rank == 8
+    assert comm.comm_config("auto").warmup_steps == 0 and isinstance(comm.CommConfig().codec, comm.AutoConfig)
+    assert comm.codec_config("auto", bits=8, rank=8, ratio=0.1) == comm.AutoConfig(rank=8)  # a fixed codec's int bits is not auto's widths
+    with pytest.raises(ValueError, match="max_error must be a number"):
+        comm.AutoConfig(max_error="0.1")
+
+
+def test_codec_profiles_are_calibrated_once_per_machine_and_a_bad_cache_is_measured_again(tmp_path, monkeypatch):
+    """A later process reads the calibration back (no compile stall); a cache that is not netgain's JSON, or
+    holds other types, is ignored and rewritten, never executed."""
+    from netgain.comm import calibrate
+
+    calls = []
+    real = calibrate.codec_profile
+    monkeypatch.setattr(calibrate, "codec_profile", lambda *a, **k: calls.append(a[2] if len(a) > 2 else k.get("cost"))
+                        or real(*a, **k))
+    cache = tmp_path / "profiles.json"
+    codec = comm.make_codec("fp16")
+    first = calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache)
+    again = calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache)
+    assert calls.count("calibrate") == 1 and again.encode_s_per_elem == first.encode_s_per_elem > 0
+    for junk in (b"\x80\x04pickle", b'{"format": "netgain.codec-profiles/1", "entries": {"k": ["x", 1]}}', b"[1]"):
+        cache.write_bytes(junk)
+        assert calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache).encode_s_per_elem > 0
+    assert calls.count("calibrate") == 4
+    assert json.loads(cache.read_bytes())["format"] == "netgain.codec-profiles/1"

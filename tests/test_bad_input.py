@@ -60,6 +60,7 @@ def config(*argv: str) -> TrainConfig:
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
     (["--comm-budget-ms", "0"], "--comm-budget-ms must be a finite number > 0, got 0.0"),
     (["--comm-budget-ms", "-5"], "--comm-budget-ms must be a finite number > 0, got -5.0"),
+    (["--comm-budget-ms", "200"], "--comm-budget-ms is Kimad's time budget: only with --codec kimad or kimad+"),
     (["--replan-every", "0"], "--replan-every must be at least 1, got 0"),
     (["--codec", "kimad+", "--kimad-lowrank-rank", "0"], "--kimad-lowrank-rank must be at least 1, and only with --codec kimad"),
     (["--codec", "gqsgd", "--kimad-lowrank-rank", "4"], "--kimad-lowrank-rank must be at least 1, and only with --codec kimad"),
@@ -265,7 +266,7 @@ def test_default_run_folders_started_in_the_same_second_differ(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-000000")
     first, second = (prepare_outputs(config()).out for _ in range(2))
-    assert first == "runs/gqsgd-20260101-000000" and second == "runs/gqsgd-20260101-000000-2"
+    assert first == "runs/auto-20260101-000000" and second == "runs/auto-20260101-000000-2"
     assert Path(first).is_dir() and Path(second).is_dir()
 
 
@@ -812,8 +813,8 @@ def test_an_fsdp_checkpoint_file_its_manifest_does_not_list_is_refused(tmp_path)
 
 @needs_proc_children
 def test_frozen_peer_is_announced_and_ends_the_run(tmp_path, start_train):
-    run = start_train("--task", "digits", "--steps", "1000000", "--eval-every", "0", "--collective-timeout", "2",
-                "--out", str(tmp_path))
+    run = start_train("--task", "digits", "--codec", "gqsgd", "--steps", "1000000", "--eval-every", "0",
+                      "--collective-timeout", "2", "--out", str(tmp_path))
     run.wait_for("%|", timeout=60)
     workers = run.workers()
     os.kill(workers[1], signal.SIGSTOP)
@@ -824,3 +825,9 @@ def test_frozen_peer_is_announced_and_ends_the_run(tmp_path, start_train):
     assert "(a peer was silent for --collective-timeout 2 s)" in run.err
     assert "Traceback" not in run.err  # the closing line says it all
     assert not any(map(alive, workers))
+
+
+def test_the_default_codec_is_auto_and_a_stateless_code_under_fsdp():
+    """No --codec: auto (the fastest route per bucket); under --fsdp, where auto does not run yet, gqsgd."""
+    assert config("--task", "digits").codec == "auto"
+    assert config("--task", "digits", *FSDP).codec == "gqsgd"

@@ -195,6 +195,7 @@ def compile_jobs(monkeypatch):
     dropped afterwards, so no later caller waits for a compile that never ran."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)  # every call is worth a compile here
     jobs = []
     monkeypatch.setattr(kernel, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
     monkeypatch.setattr(kernel, "_compile_thread", "running")
@@ -234,10 +235,22 @@ def test_a_new_class_of_arguments_compiles_its_own_graph(compile_jobs):
     assert len(compile_jobs) == 3  # 5000 elements share 3000's graph; 1 element and another scale do not
 
 
+def test_a_call_too_cheap_to_repay_a_compile_stays_eager(compile_jobs, monkeypatch):
+    """On CPU a background compile takes the step's cores: a variant whose eager call takes less than
+    CPU_COMPILE_MIN_S is never compiled, and later calls of its class do not ask again."""
+    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 3600.0)
+    x = torch.randn(3000)
+    expected = fused.cast_scaled.eager(torch.empty(3000, dtype=torch.float16), x, 0.25)
+    for _ in range(2):
+        assert torch.equal(fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25), expected)
+    assert compile_jobs == [] and not kernel.compiling()
+
+
 def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)
     x = torch.randn(4099)
     expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
     first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)

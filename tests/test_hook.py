@@ -275,7 +275,7 @@ def test_ddp_modes_work(codec, mode):
         assert flat.mean().abs() <= 3 * flat.std() / flat.numel() ** 0.5
 
 
-@pytest.mark.parametrize("kwargs,match", [({"codec": "zip"}, "choose one of none, fp16"),
+@pytest.mark.parametrize("kwargs,match", [({"codec": "zip"}, "choose one of auto, none, fp16"),
                                           ({"codec": "gqsgd", "bits": 9}, "bits must be in 2..8"),
                                           ({"codec": "topk", "ratio": 0.0}, "ratio must be a number in"),
                                           ({"codec": "gqsgd", "encoding": "int4"}, "encoding='int4'"),
@@ -307,7 +307,7 @@ def test_bad_arguments_name_allowed_values(kwargs, match):
     (lambda: comm.KimadConfig(replan_every=1.5), "replan_every must be an integer >= 1, got 1.5"),
     (lambda: comm.RandomKConfig(ratio=True), r"ratio must be a number in \(0, 1\], got ratio=True"),
     (lambda: comm.TopKConfig(ratio="0.1"), r"ratio must be a number in \(0, 1\], got ratio='0.1'"),
-    (lambda: comm.comm_config("zip"), "choose one of none, fp16"),
+    (lambda: comm.comm_config("zip"), "choose one of auto, none, fp16"),
 ])
 def test_typed_configs_name_the_argument_and_the_allowed_values(build, match):
     with pytest.raises(ValueError, match=match):

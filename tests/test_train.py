@@ -29,7 +29,7 @@ def test_digits_converges(tmp_path):
 
 
 def test_lm_writes_record_and_loss_curve(tmp_path):
-    """The default codec is gqsgd 8-bit packed; the summary states its bytes and fp32's predicted step.
+    """gqsgd 8-bit packed: the summary states its bytes and fp32's predicted step.
     Run as a user runs it, a command of its own, so its stdout is the one its workers print to (the
     workers of an in-process run print wherever stdout was when its forkserver started)."""
     text = tmp_path / "corpus.txt"
@@ -37,7 +37,7 @@ def test_lm_writes_record_and_loss_curve(tmp_path):
     out = tmp_path / "run"
     command = subprocess.run([sys.executable, "-m", "netgain.cli", "train", "--data", str(text), "--hidden-size", "64",
                               "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
-                              "--eval-every", "2", "--out", str(out)], capture_output=True, text=True)
+                              "--codec", "gqsgd", "--eval-every", "2", "--out", str(out)], capture_output=True, text=True)
     assert command.returncode == 0, command.stderr
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["task"] == "lm"

@@ -229,7 +229,7 @@ class Pipeline:
 
     def __init__(self, state: CommState, side_stream: bool = True):
         self.state = state
-        self.communicator = Communicator(state.process_group)
+        self.communicator = Communicator(state.process_group, link=state.link)
         if state.planner is not None:
             state.planner.attach(self.communicator)
         # A fixed codec without a header issues one collective per bucket and waits for nothing before it:

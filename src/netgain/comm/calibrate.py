@@ -2,15 +2,19 @@
 
 `time_codec` runs a codec's encode and decode on one bucket in-process, with the aggregate faked;
 `codec_profile` turns that (or a GPU's memory-bound estimate) into a `network.CodecProfile`, which
-Kimad's planner, `netgain model` and the benchmarks price; `bucket_layout` lays a bucket out as the
+Kimad's planner, `netgain model` and the benchmarks price (the planner through `cached_profile`: once per
+machine); `bucket_layout` lays a bucket out as the
 hook does, so a codec can be timed or replayed outside training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,10 @@ from .fused import Segments
 from .store import BucketLayout
 from ..cost import network
 from ..cost.kernels import GPU
+from ..cost.measured import DEFAULT_CACHE_DIR, cpu_name
+from ..files import MANIFEST_MAX_BYTES, require_regular_file, write_atomically
+
+PROFILE_CACHE_FORMAT = "netgain.codec-profiles/1"
 
 
 def time_codec(codec: Codec, numel: int, world_size: int, repeats: int = 5, seed: int = 0,
@@ -154,3 +162,44 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
         torch.set_num_threads(previous)
     enc, dec = min(r["encode_s"] for r in runs), min(r["decode_s"] for r in runs)
     return dataclasses.replace(profile, encode_s_per_elem=enc / numel, decode_s_per_elem=dec / numel)
+
+
+def cached_profile(codec: Codec, world_size: int, calibration_numel: int | None = None,
+                   shapes: list[tuple[int, ...]] | None = None, cache: "str | None" = None) -> network.CodecProfile:
+    """codec_profile(codec, world_size, "calibrate", ...), measured once per machine and read back by later
+    processes from ``cache`` (default DEFAULT_CACHE_DIR/codec-profiles.json).
+
+    Why: calibrating times the compiled path, and its first call compiles: 3-11 s of a job's first steps
+    on a 2-core CPU, in every process. The key holds all that the cost depends on: the codec, world size,
+    bucket, torch threads, compile mode, CPU model and torch version. Entries are plain numbers in JSON
+    (nothing read can run code); an unreadable cache is measured again and rewritten.
+    """
+    path = Path(cache) if cache is not None else DEFAULT_CACHE_DIR / "codec-profiles.json"
+    device = torch.device("cpu")
+    key = json.dumps([codec.describe(), world_size, calibration_numel, shapes and [list(s) for s in shapes],
+                      torch.get_num_threads(), kernel.compile_mode(device) == "eager", cpu_name(), torch.__version__])
+    entries = _read_profiles(path)
+    profile = codec_profile(codec, world_size, "free")
+    if key in entries:
+        encode, decode = entries[key]
+        return dataclasses.replace(profile, encode_s_per_elem=encode, decode_s_per_elem=decode)
+    profile = codec_profile(codec, world_size, "calibrate", calibration_numel=calibration_numel, shapes=shapes)
+    entries = {**_read_profiles(path), key: [profile.encode_s_per_elem, profile.decode_s_per_elem]}  # another rank's too
+    record = json.dumps({"format": PROFILE_CACHE_FORMAT, "entries": entries}, indent=0).encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda f: f.write(record))
+    except OSError as error:  # a read-only home: the run goes on, the next process calibrates again
+        warnings.warn(f"netgain: could not keep codec calibrations in {path} ({error})", RuntimeWarning)
+    return profile
+
+
+def _read_profiles(path: Path) -> dict[str, list[float]]:
+    """The cache's entries, or none if it is missing, too large, not JSON or not netgain's format."""
+    try:
+        require_regular_file(path, "codec profile cache", MANIFEST_MAX_BYTES)
+        stored = json.loads(path.read_bytes())
+        entries = stored["entries"] if stored.get("format") == PROFILE_CACHE_FORMAT else {}
+        return {k: [float(e), float(d)] for k, (e, d) in entries.items() if math.isfinite(e) and math.isfinite(d)}
+    except (ValueError, OSError, KeyError, TypeError, AttributeError):
+        return {}

@@ -5,7 +5,7 @@
     netgain.comm.register(ddp, "gqsgd", bits=4, warmup_steps=10)   # by name, as the CLI does
 
 Every codec config builds a chooser (codecs.Chooser): what the pipeline asks which codec a bucket
-uses this step; a fixed codec's config builds the codec, Kimad's an AdaptivePlanner. The whole CommConfig is compared
+uses this step; a fixed codec's config builds the codec, auto's and Kimad's an AdaptivePlanner. The whole CommConfig is compared
 across ranks before the first bucket is sent.
 """
 
@@ -147,13 +147,38 @@ class KimadConfig:
                                lowrank_rank=self.lowrank_rank, max_error=self.max_error)
 
 
+@dataclass(frozen=True)
+class AutoConfig:
+    """auto, the default: per bucket, the option with the least predicted communication plus codec time
+    at the link measured in this run (Kimad's monitor and knapsack; see netgain.comm.adaptive).
+
+    Options: none, bf16, Global-QSGD at ``bits`` (each within max_error of the gradient's energy, as
+    Kimad's), and low rank at ``rank`` with fp32 and with 8-bit factors (error feedback, as PowerSGD
+    users accept); replan_every: steps between the measurements of the options' errors.
+    """
+    rank: int = 4
+    bits: tuple[int, ...] = (8, 4)
+    replan_every: int = 10
+    max_error: float = MAX_ERROR
+
+    def __post_init__(self):
+        if isinstance(self.max_error, bool) or not isinstance(self.max_error, numbers.Real):
+            raise ValueError(f"max_error must be a number, got {self.max_error!r}")
+        self.build()  # the planner and its option codecs check the rest
+
+    def build(self):
+        return AdaptivePlanner("auto", replan_every=self.replan_every, bits=self.bits, lowrank_rank=self.rank,
+                               max_error=self.max_error)
+
+
 CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
-                    TopKConfig, RandomKConfig, LowRankConfig, KimadConfig]
-CODEC_CONFIGS = {"none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastConfig, "qsgd": QSGDConfig,
+                    TopKConfig, RandomKConfig, LowRankConfig, KimadConfig, AutoConfig]
+PLANNED_CONFIGS = (KimadConfig, AutoConfig)
+CODEC_CONFIGS = {"auto": AutoConfig, "none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastConfig, "qsgd": QSGDConfig,
                  "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,
                  "randomk": RandomKConfig, "lowrank": LowRankConfig, "kimad": KimadConfig, "kimad+": KimadConfig}
 CODEC_NAMES = tuple(CODEC_CONFIGS)
-FIXED_CODEC_NAMES = tuple(name for name, config in CODEC_CONFIGS.items() if config is not KimadConfig)
+FIXED_CODEC_NAMES = tuple(name for name, config in CODEC_CONFIGS.items() if config not in PLANNED_CONFIGS)
 CODEC_FIELDS = {f.name for cls in set(CODEC_CONFIGS.values()) for f in dataclasses.fields(cls)} - {"dtype", "mode"}
 
 
@@ -170,7 +195,7 @@ class CommConfig:
     own_group: run the hook's collectives on a process group of its own (made by register), so
     DDP's find_unused_parameters and other users of the default group never meet them.
     """
-    codec: CodecConfig = field(default_factory=GlobalQSGDConfig)
+    codec: CodecConfig = field(default_factory=AutoConfig)
     warmup_steps: int | None = None
     min_compress_numel: int = 1024
     skip_1d: bool = False
@@ -213,8 +238,8 @@ def codec_config(name: str, **params) -> CodecConfig:
     cls = CODEC_CONFIGS[name]
     if cls is CastConfig:
         return CastConfig(name)
-    if cls is KimadConfig:
-        params = {**params, "mode": name}
+    if cls in PLANNED_CONFIGS:
+        params = {**params, "mode": name} if cls is KimadConfig else dict(params)
         params["bits"] = tuple(params["bits"]) if isinstance(params.get("bits"), (tuple, list)) else None
         params["topk_ratios"] = tuple(params["topk_ratios"]) if params.get("topk_ratios") is not None else None
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -222,8 +247,8 @@ def codec_config(name: str, **params) -> CodecConfig:
 
 
 def make_codec(name: str, **params) -> Codec:
-    """The codec of a fixed codec's name, with codec_config's rules for the options (Kimad's names plan
-    a codec per bucket and build none)."""
+    """The codec of a fixed codec's name, with codec_config's rules for the options (auto's and Kimad's
+    names plan a codec per bucket and build none)."""
     if name not in FIXED_CODEC_NAMES and name in CODEC_CONFIGS:
         raise ValueError(f"{name!r} plans a codec per bucket; make_codec builds one of {', '.join(FIXED_CODEC_NAMES)}")
     return codec_config(name, **params).build()

@@ -38,7 +38,7 @@ class CommState:
     so a checkpoint saved by rank 0 alone resumes every rank exactly.
     """
 
-    def __init__(self, config: "CommConfig | str" = "gqsgd", *, process_group: dist.ProcessGroup | None = None,
+    def __init__(self, config: "CommConfig | str" = "auto", *, process_group: dist.ProcessGroup | None = None,
                  param_names: dict[int, str] | None = None, **options):
         self.config = comm_config(config, **options)
         self.chooser = self.config.codec.build()  # a Codec (the same every step) or a Planner
@@ -49,6 +49,7 @@ class CommState:
         self.last_step: dict = {}
         self.history: list[dict] = []
         self.pipeline: Pipeline | None = None  # made at the first bucket
+        self.link = None  # an emulate.EmulatedLink the hook's collectives are held to (netgain train --emulate-link)
         self._names = dict(param_names or {})  # id(parameter) -> name; unnamed: order of first appearance
         self._layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._config_checked = False
@@ -218,7 +219,7 @@ class CommState:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(pipeline=None, process_group=None, _lock=None, _layouts={}, _jobs=[])
+        state.update(pipeline=None, process_group=None, link=None, _lock=None, _layouts={}, _jobs=[])
         return state
 
     def __setstate__(self, state):
@@ -231,11 +232,12 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return state.submit(bucket)
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "CommConfig | str" = "gqsgd",
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, config: "CommConfig | str" = "auto",
              **options) -> CommState:
     """Register the netgain hook on ``ddp_model``; returns its CommState.
 
-    ``config``: a codec config (GlobalQSGDConfig(bits=4), TopKConfig(...), KimadConfig(...)), a
+    ``config``: "auto" (the default: the fastest option per bucket at the measured link), a codec
+    config (GlobalQSGDConfig(bits=4), TopKConfig(...), KimadConfig(...)), a
     CommConfig, or a codec name from CODEC_NAMES with codec and hook fields as keywords
     (register(ddp, "gqsgd", bits=4, warmup_steps=10)). Makes the hook's own process group unless
     config.own_group is False or ``process_group`` is given. Collective over that group (default: the

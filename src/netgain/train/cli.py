@@ -29,7 +29,8 @@ from netgain.train.tasks import TASK_CLASSES
 TASKS = ("lm", "digits")
 DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
-DEFAULT_CODEC = "gqsgd"  # at the --bits and --encoding defaults, 8 and packed (why: --codec's help)
+DEFAULT_CODEC = "auto"  # the fastest route per bucket at the measured link (why: --codec's help)
+DEFAULT_FSDP_CODEC = "gqsgd"  # under --fsdp, where auto does not run yet: at the --bits and --encoding defaults
 COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
 COLLECTIVE_TIMEOUT_RANGE = (1, 86_400)  # under 1 s the silence notice would fire every few ms; a day is plenty
 LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
@@ -41,11 +42,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     bits = comm.codecs.BITS_RANGE
     parser.add_argument("--task", choices=TASKS, default="lm",
                         help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
-    parser.add_argument("--codec", choices=CODEC_CHOICES, default=DEFAULT_CODEC,
-                        help=f"netgain codec (default {DEFAULT_CODEC} --bits 8 --encoding packed: unbiased, summed by "
-                        "one allreduce, 3.5x fewer bytes than fp32 at 2 workers and within 1%% of its validation loss "
-                        "on the default job; none: fp32, as plain DDP); kimad/kimad+ adapt to the measured bandwidth; "
-                        "ddp, ddp-fp16, ddp-powersgd are PyTorch's own hooks, for comparison")
+    parser.add_argument("--codec", choices=CODEC_CHOICES, default=None,
+                        help=f"netgain codec (default {DEFAULT_CODEC}: per bucket, the least communication plus codec time "
+                        "at the link measured in the run, among none, bf16, gqsgd and low rank at --rank; on --resume "
+                        f"the checkpoint's; under --fsdp {DEFAULT_FSDP_CODEC} --bits 8: unbiased, summed by one allreduce); "
+                        "none: fp32, as plain DDP; kimad/kimad+ fit a time budget; ddp, ddp-fp16, ddp-powersgd are "
+                        "PyTorch's own hooks, for comparison")
     parser.add_argument("--bits", type=int, default=8,
                         help=f"quantisation bits, {bits.start}..{bits.stop - 1} (qsgd, gqsgd, gqsgd-exp)")
     parser.add_argument("--encoding", choices=comm.codecs.ENCODINGS, default="packed",
@@ -55,13 +57,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="uncompressed steps before the codec starts (default: 2 for lowrank, as PowerSGD; 0 for the other "
                         "netgain codecs; ddp-powersgd runs at least 2 whatever this says; on --resume the checkpoint's)")
     parser.add_argument("--skip-1d", action="store_true", help="send 1-D gradients (biases, norm weights) uncompressed")
-    parser.add_argument("--rank", type=int, default=4, help="matrix approximation rank, >= 1 (lowrank, ddp-powersgd)")
+    parser.add_argument("--rank", type=int, default=4, help="matrix approximation rank, >= 1 (auto's low rank, lowrank, ddp-powersgd)")
     parser.add_argument("--factors", choices=comm.lowrank.FACTORS, default="gqsgd",
                         help="how lowrank's factors travel: gqsgd (--bits-bit Global-QSGD codes) or fp32 (as PowerSGD)")
     parser.add_argument("--comm-budget-ms", type=float,
                         help="kimad: communication time target per step, > 0 (default: the measured backward time)")
     parser.add_argument("--replan-every", type=int, default=10,
-                        help="kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
+                        help="auto, kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
     parser.add_argument("--kimad-lowrank-rank", type=int,
                         help="kimad: add low rank at this rank >= 1 (8-bit gqsgd factors, error feedback) to the plan's "
                         "options, in place of top-k (default: no low rank; top-k 0.001, 0.01, 0.1)")
@@ -145,6 +147,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         verify_checkpoint(args.resume)
     else:
         checkpoint = None
+    if args.codec is None:
+        args.codec = (checkpoint["config"].get("codec", DEFAULT_CODEC) if checkpoint else
+                      DEFAULT_FSDP_CODEC if args.fsdp else DEFAULT_CODEC)
     warmup_steps = args.warmup_steps
     if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
         saved = checkpoint["config"].get("warmup_steps") if checkpoint else None
@@ -169,12 +174,12 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_memory(config)
     check_data(config)
     check_emulation(config)
+    if checkpoint:  # first: a DDP checkpoint's codec (auto) would otherwise be refused as an FSDP codec
+        check_resume(config, checkpoint)
     if config.fsdp:
         check_fsdp(config, checkpoint)
     if config.checkpoint:
         check_checkpoint_paths(config, checkpoint)
-    if checkpoint:
-        check_resume(config, checkpoint)
     return config
 
 
@@ -204,7 +209,7 @@ def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
     """The codecs that run on FSDP's cross-replica hop, and checkpoint folders that are netgain's to replace."""
     if c.codec not in comm_fsdp.CODECS:
         raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
-                         "(topk/randomk keep per-rank EF21 buffers and kimad/kimad+ plans that FSDP does not "
+                         "(topk/randomk keep per-rank EF21 buffers and auto/kimad/kimad+ plans that FSDP does not "
                          "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
 
 
@@ -241,8 +246,13 @@ def check_numbers(c: TrainConfig) -> None:
     _require(c.comm_budget_ms is None or (math.isfinite(c.comm_budget_ms) and c.comm_budget_ms > 0),
              "comm_budget_ms", "must be a finite number > 0", c.comm_budget_ms)
     _require(0 < c.ratio <= 1, "ratio", "must be in (0, 1]", c.ratio)
-    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and c.codec in comm.ADAPTIVE_MODES),
-             "kimad_lowrank_rank", "must be at least 1, and only with --codec kimad or kimad+", c.kimad_lowrank_rank)
+    kimad = c.codec in ("kimad", "kimad+")
+    _require(c.comm_budget_ms is None or kimad, "comm_budget_ms",
+             "is Kimad's time budget: only with --codec kimad or kimad+ (auto has none: it takes the fastest option)",
+             c.comm_budget_ms)
+    _require(c.kimad_lowrank_rank is None or (c.kimad_lowrank_rank >= 1 and kimad),
+             "kimad_lowrank_rank", "must be at least 1, and only with --codec kimad or kimad+ (auto: --rank)",
+             c.kimad_lowrank_rank)
     bits = comm.codecs.BITS_RANGE
     _require(c.bits in bits, "bits", f"must be in {bits.start}..{bits.stop - 1}", c.bits)
     _require(not (c.codec == "gqsgd" and c.encoding == "int8" and c.bits != 8), "bits",

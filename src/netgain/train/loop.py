@@ -155,11 +155,7 @@ class Trainer:
 
     def emulate_link(self, link: EmulatedLink) -> None:
         """Every collective the gradient hook launches is held until its bytes could have crossed ``link``."""
-        if isinstance(self.comm_state, comm.baselines.TorchHookState):
-            self.comm_state.link = link
-        else:  # netgain's Communicator is made with its pipeline at the first bucket: made now, so step 0 is held too
-            self.comm_state._start(side_stream=True)
-            self.comm_state.pipeline.communicator.link = link
+        self.comm_state.link = link  # netgain's pipeline hands it to its Communicator, made at the first bucket
 
     def train(self) -> None:
         c = self.config
