@@ -1,14 +1,15 @@
 """A job's first steps against its steady step, per codec: what a compile costs a user's run.
 
 Each codec's `netgain train` (the default lm job, 2 local workers on loopback) runs as a user's second
-process on this machine (torch.compile's on-disk cache warm from an earlier run), under
+process on this machine (torch.compile's on-disk cache and netgain's codec calibrations warm from an
+earlier run), under
 NETGAIN_COMPILE=auto (kernels compile in a background thread while the eager path serves) and
 NETGAIN_COMPILE=1 (kernels compile on their first call, which waits: netgain before the background
 compile), interleaved, --repeats times. Reports the mean of the first 3 steps over the median of the last
 10 (the steady step), per run, median and min-max. A cold run (an empty compile cache, the first process
 on a machine) per codec is reported apart.
 
-    python bench/first_steps.py [--codecs none gqsgd lowrank kimad+] [--steps 40] [--repeats 3]
+    python bench/first_steps.py [--codecs auto none gqsgd lowrank kimad+] [--steps 40] [--repeats 3]
 
 Writes bench/results/first_steps.md and first_steps.csv.
 """
@@ -31,7 +32,8 @@ FIRST, STEADY = 3, 10  # steps: the first ones a user waits for; the last ones, 
 def run(codec: str, steps: int, mode: str, cache: str) -> dict:
     """One `netgain train` process; its first and steady steps."""
     with tempfile.TemporaryDirectory(prefix="netgain-first-steps-") as out:
-        env = {**os.environ, "NETGAIN_COMPILE": mode, "TORCHINDUCTOR_CACHE_DIR": cache, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "NETGAIN_COMPILE": mode, "TORCHINDUCTOR_CACHE_DIR": cache, "NETGAIN_CACHE": cache,
+               "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(train_command(codec, steps, out), env=env, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"netgain train --codec {codec} failed:\n{done.stderr[-2000:]}")
@@ -43,7 +45,7 @@ def run(codec: str, steps: int, mode: str, cache: str) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--codecs", nargs="+", default=["none", "fp16", "gqsgd", "lowrank", "topk", "kimad+"])
+    parser.add_argument("--codecs", nargs="+", default=["auto", "none", "fp16", "gqsgd", "lowrank", "topk", "kimad+"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -479,12 +479,13 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
 
 
-def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0)):
+def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), backward_s=None):
     """auto's options (none, bf16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
     1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
     per element, solved."""
     planner = comm.AutoConfig().build()
     planner.monitor.update(bandwidth, 0.0, 0.0)
+    planner._backward_s = backward_s
     planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=(costs or {}).get(o.describe(), (costs or {}).get(o.name, 0.0)))
                             for o in planner.options]
     planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
@@ -540,3 +541,13 @@ def test_codec_profiles_are_calibrated_once_per_machine_and_a_bad_cache_is_measu
         assert calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache).encode_s_per_elem > 0
     assert calls.count("calibrate") == 4
     assert json.loads(cache.read_bytes())["format"] == "netgain.codec-profiles/1"
+
+
+def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():
+    """Low rank takes more steps to the target (LOWRANK_STEPS). Where compute dominates the step, a faster
+    step by low rank loses to gqsgd, which takes fp32's steps; where the link dominates, low rank wins."""
+    gigabit = {"bf16": 1e-9, "gqsgd": 1e-9, "lowrank": 1e-9}  # gqsgd 4-bit ~6 ms, low rank ~1 ms a step
+    assert auto_planner(125e6, gigabit, backward_s=None) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert auto_planner(125e6, gigabit, backward_s=0.2) == ["gqsgd(bits=4,encoding=packed)"]
+    assert auto_planner(1e6, gigabit, backward_s=0.2) == ["lowrank(rank=4,factors=fp32)"]  # 1.15x the steps, not 1.3x
+    assert auto_planner(1e5, gigabit, backward_s=0.2) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]

@@ -9,8 +9,8 @@ Every `replan_every` steps, or when the link estimate moves by a factor beyond 1
 (either way), the plan is re-solved:
   kimad  - one option for every bucket;
   kimad+ - a multi-choice knapsack (netgain.plan) choosing one option per bucket;
-  auto   - no budget: per bucket, the least predicted communication plus codec time, then, among
-           plans predicted within AUTO_SLACK of the fastest, the least error (see below).
+  auto   - no budget: the plan with the least predicted time to the target loss, then, among plans
+           predicted within AUTO_SLACK of its communication time, the least error (see below).
 Options: uncompressed, gqsgd (packed) at each bit width, and either top-k (EF21) at each ratio or
 low rank at one rank with 8-bit Global-QSGD factors (`lowrank_rank`: a bucket keeps one
 error-feedback memory, EF21's or low rank's residual, which the unbiased options flush). An option's
@@ -36,10 +36,12 @@ the plan's total bytes), and re-plans at the next step until it reaches what the
 volumes sent, and a shaper's burst passes small steps at wire speed. Every input to the solver is agreed by collectives, so every rank computes the same plan; the
 hook's header checks it bucket by bucket.
 
-auto is the route a user gets without choosing: time to the target loss is step time x steps, and
-the options it weighs barely move the steps (the unbiased ones within max_error, low rank by its
-error feedback, bf16 within 1-3% of fp32's steps on the lab), so it minimises step time. It counts
-every collective and all codec time as exposed: on the lab a budget of the backward time "fitted"
+auto is the route a user gets without choosing: time to the target loss is step time x steps. The
+step is the compute (COMPUTE_PER_BACKWARD x the measured backward) plus each bucket's predicted link
+and codec time; the steps are fp32's for the exact, rounded and unbiased options (bf16 took 0.97-0.99x
+fp32's steps on the lab, gqsgd is held within max_error), and low rank's measured multiple of them
+(LOWRANK_STEPS: its error feedback gets there, later). It counts every collective and all codec time
+as exposed: on the lab a budget of the backward time "fitted"
 fp32 at 1 Gbit/s while two compressing routes ran 1.3-1.45x faster, since the step is not
 overlapped there. Options: none, bf16, gqsgd at `bits`, and low rank at `lowrank_rank` with fp32
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
@@ -66,6 +68,12 @@ from .quantize import levels_per_side
 
 MODES = ("kimad", "kimad+", "auto")
 AUTO_SLACK = 0.05  # auto: the least-error plan among those predicted at most 5% slower than the fastest
+# auto: low rank's steps to the target as a multiple of fp32's, measured on the lab's lm job with
+# bench/time_to_accuracy.py: rank 4 took 1.10x (fp32 factors) and 1.14x (8-bit) at 1 Gbit/s, 3 workers, 3 seeds
+# (bench/results/time_to_accuracy_auto_1gbit_3w.md; PowerSGD r4 1.16x, fp16 0.98x), and 1.09-1.27x and
+# 1.21-1.52x on the earlier cells netgain.cost.advise cites
+LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
+COMPUTE_PER_BACKWARD = 1.5  # a step's compute over its backward's: the forward is about half the backward's FLOPs
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
 STALL = 2.0  # a step over STALL x the median ratio is a stall or a link change, not spread (on the lab, steady-state ratios lay at 0.5-1.9)
@@ -302,14 +310,34 @@ class AdaptivePlanner:
         """The plan among the safe options: unbiased ones that fit, else any that fit, else the fastest;
         and whether it fits."""
         if self.mode == "auto":
-            fastest = _fastest(times, safe, uniform=False)
-            slack = (1 + AUTO_SLACK) * sum(ts[c] for ts, c in zip(times, fastest))
-            return _fit_knapsack(times, errors, safe, slack) or fastest, True
+            return self._soonest(times, errors, safe), True
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
         fitted = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget)
         return fitted or _fastest(times, safe, uniform=self.mode == "kimad"), fitted is not None
+
+    def _soonest(self, times, errors, safe) -> list[int]:
+        """auto: the plan with the least predicted time to the target, (compute + communication) x steps.
+
+        Each option's steps to the target, as a multiple of fp32's, is STEPS_TO_TARGET's (measured on the
+        lab); a plan takes its slowest option's. For each such level the fastest plan among the options
+        that take at most those steps is priced; the soonest wins, and within AUTO_SLACK of its time the
+        plan that errs least. Compute is COMPUTE_PER_BACKWARD x the measured backward time."""
+        compute_s = COMPUTE_PER_BACKWARD * (self._backward_s or 0.0)
+        factors = [steps_to_target(option) for option in self.options]
+        best = None
+        for level in sorted(set(factors)):
+            allowed = [[ok and factors[o] <= level for o, ok in enumerate(row)] for row in safe]
+            if not all(any(row) for row in allowed):
+                continue
+            fastest = _fastest(times, allowed, uniform=False)
+            comm_s = sum(ts[c] for ts, c in zip(times, fastest))
+            to_target = (compute_s + comm_s) * max(factors[c] for c in fastest)
+            if best is None or to_target < best[0]:
+                best = (to_target, comm_s, allowed, fastest)
+        _, comm_s, allowed, fastest = best
+        return _fit_knapsack(times, errors, allowed, (1 + AUTO_SLACK) * comm_s) or fastest
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
@@ -391,6 +419,12 @@ def _fastest(times, allowed, uniform: bool) -> list[int]:
         common = [o for o in range(width) if all(row[o] for row in allowed)]  # never empty: none (0) is always safe, and _reachable keeps a safe option
         return [min(common, key=lambda o: sum(ts[o] for ts in times))] * len(times)
     return [min((o for o, ok in enumerate(row) if ok), key=ts.__getitem__) for ts, row in zip(times, allowed)]
+
+
+def steps_to_target(option: Codec) -> float:
+    """The steps an option takes to the target as a multiple of fp32's (auto's price of low rank's bias):
+    1 for the exact, rounded and unbiased codes within max_error."""
+    return LOWRANK_STEPS[option.factors] if isinstance(option, LowRank) else 1.0
 
 
 def option_error(option: Codec, x: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:
