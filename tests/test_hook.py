@@ -66,6 +66,29 @@ def test_nan_raises_nonfinite_gradient_error_on_every_rank(world_size, codec, op
                and "overflowed float32" not in message for status, message in results), results
 
 
+def nan_after_a_plan(rank, world_size):
+    """auto: three clean steps (its plan is made after DDP's rebuild), then a NaN on rank 1 at a step that
+    measures nothing, every bucket sent as bf16 (on every rank: a plan, as the loaded loopback may not make
+    it), which carries a header of flags alone (no scales)."""
+    model = ddp(Layers())
+    state = comm.register(model, "auto", min_compress_numel=0, replan_every=50)
+    try:
+        for step in range(3):
+            model.zero_grad()
+            model(step, rank).backward()
+        bf16 = next(option for option in state.chooser.options if option.name == "bf16")
+        state.chooser.codec_for = lambda index, numel: bf16
+        backward_with_nan_on_rank_one(model, rank)
+    finally:
+        state.close()
+
+
+def test_nan_raises_on_every_rank_under_auto_between_its_measurements():
+    results = run(nan_after_a_plan, 2)
+    assert all(status == "error" and message.startswith("NonFiniteGradientError: ") and "(parameters: b" in message
+               for status, message in results), results
+
+
 def fp16_overflow_on_rank_one(rank, world_size):
     model = ddp(Layers())
     state = comm.register(model, "fp16", min_compress_numel=0)

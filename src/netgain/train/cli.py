@@ -62,8 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how lowrank's factors travel: gqsgd (--bits-bit Global-QSGD codes) or fp32 (as PowerSGD)")
     parser.add_argument("--comm-budget-ms", type=float,
                         help="kimad: communication time target per step, > 0 (default: the measured backward time)")
-    parser.add_argument("--replan-every", type=int, default=10,
-                        help="auto, kimad: re-plan every N >= 1 steps (and whenever the bandwidth moves by more than 20%%)")
+    parser.add_argument("--replan-every", type=int,
+                        help="auto, kimad: measure the options' errors and re-plan every N >= 1 steps (and whenever the "
+                        "bandwidth moves by more than 20%%); default: auto 50, kimad 10; on --resume the checkpoint's")
     parser.add_argument("--kimad-lowrank-rank", type=int,
                         help="kimad: add low rank at this rank >= 1 (8-bit gqsgd factors, error feedback) to the plan's "
                         "options, in place of top-k (default: no low rank; top-k 0.001, 0.01, 0.1)")
@@ -157,7 +158,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
                          rank=args.rank, factors=args.factors,
-                         comm_budget_ms=args.comm_budget_ms, replan_every=args.replan_every,
+                         comm_budget_ms=args.comm_budget_ms,
+                         replan_every=args.replan_every if args.replan_every is not None or not checkpoint
+                         else checkpoint["config"].get("replan_every"),
                          kimad_lowrank_rank=args.kimad_lowrank_rank, steps=args.steps,
                          batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
                          replicas=args.replicas, shards=args.shards, seed=args.seed,
@@ -235,7 +238,7 @@ def check_numbers(c: TrainConfig) -> None:
     for name, value in vars(c).items():
         _require(type(value) is not int or value <= INT64_MAX, name, f"must be at most {INT64_MAX:,}", value)
     for name in ("steps", "batch_size", "world_size", "seq_len", "rank", "replan_every", "hidden_size", "layers"):
-        _require(getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
+        _require(getattr(c, name) is None or getattr(c, name) >= 1, name, "must be at least 1", getattr(c, name))
     for name in ("warmup_steps", "eval_every"):
         _require(getattr(c, name) >= 0, name, "must be 0 or more", getattr(c, name))
     _require(0 <= c.seed < 2**32, "seed", f"must be in 0..{2**32 - 1}", c.seed)

@@ -17,7 +17,7 @@ class TrainConfig:
     rank: int
     factors: str
     comm_budget_ms: float | None
-    replan_every: int
+    replan_every: int | None  # None: the planner's own default
     kimad_lowrank_rank: int | None
     steps: int
     batch_size: int
