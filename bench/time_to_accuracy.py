@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -167,7 +166,7 @@ def worker(args) -> None:
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
         state = register(ddp, CONTESTANTS[label])
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        train_s, eval_s, wire, step_times, steady = 0.0, 0.0, [], [], None
+        train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
@@ -196,8 +195,7 @@ def worker(args) -> None:
         if state is not None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire),
-                "step_times": step_times, "steady_step_s": steady, "left_race": steady is not None and len(wire) == FIRST_STEPS + 1
-                and len(wire) < steps and not (target is not None and curve and curve[-1][2] <= target),
+                "step_times": step_times, "steady_step_s": steady, "left_race": left,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 

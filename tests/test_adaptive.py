@@ -533,12 +533,12 @@ def test_codec_profiles_are_calibrated_once_per_machine_and_a_bad_cache_is_measu
                         or real(*a, **k))
     cache = tmp_path / "profiles.json"
     codec = comm.make_codec("fp16")
-    first = calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache)
-    again = calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache)
+    first = calibrate.cached_profiles([(codec, None)], 2, calibration_numel=4096, cache=cache)[0]
+    again = calibrate.cached_profiles([(codec, None)], 2, calibration_numel=4096, cache=cache)[0]
     assert calls.count("calibrate") == 1 and again.encode_s_per_elem == first.encode_s_per_elem > 0
     for junk in (b"\x80\x04pickle", b'{"format": "netgain.codec-profiles/1", "entries": {"k": ["x", 1]}}', b"[1]"):
         cache.write_bytes(junk)
-        assert calibrate.cached_profile(codec, 2, calibration_numel=4096, cache=cache).encode_s_per_elem > 0
+        assert calibrate.cached_profiles([(codec, None)], 2, calibration_numel=4096, cache=cache)[0].encode_s_per_elem > 0
     assert calls.count("calibrate") == 4
     assert json.loads(cache.read_bytes())["format"] == "netgain.codec-profiles/1"
 

@@ -61,7 +61,7 @@ import torch
 from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor, in_words, link_time
-from .calibrate import cached_profile
+from .calibrate import cached_profiles
 from .codecs import Cast, Codec, GlobalQSGD, NoCompression, TopK, check_integer
 from .lowrank import LowRank
 from .quantize import levels_per_side
@@ -117,7 +117,7 @@ class AdaptivePlanner:
         cast = [Cast("bf16", torch.bfloat16)] if auto else []
         self.options: list[Codec] = ([NoCompression()] + cast + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
-        self.unplanned = self.options[1 if auto else 0]  # what a bucket layout without a plan sends
+        self.unplanned = (cast or self.options)[0]  # what a bucket layout without a plan sends: bf16 (auto), fp32
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
         self.monitor = monitor or BandwidthMonitor(skip_steps=1)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
@@ -320,8 +320,8 @@ class AdaptivePlanner:
     def _soonest(self, times, errors, safe) -> list[int]:
         """auto: the plan with the least predicted time to the target, (compute + communication) x steps.
 
-        Each option's steps to the target, as a multiple of fp32's, is STEPS_TO_TARGET's (measured on the
-        lab); a plan takes its slowest option's. For each such level the fastest plan among the options
+        Each option's steps to the target, as a multiple of fp32's, is steps_to_target's (LOWRANK_STEPS,
+        measured on the lab); a plan takes its slowest option's. For each such level the fastest plan among the options
         that take at most those steps is priced; the soonest wins, and within AUTO_SLACK of its time the
         plan that errs least. Compute is COMPUTE_PER_BACKWARD x the measured backward time."""
         compute_s = COMPUTE_PER_BACKWARD * (self._backward_s or 0.0)
@@ -358,13 +358,13 @@ class AdaptivePlanner:
         return held  # never empty: none is always safe, and the next larger safe option is always in reach
 
     def _agree_profiles(self, link) -> None:
-        """Every option's encode/decode cost, calibrated once per machine (calibrate.cached_profile: a later
+        """Every option's encode/decode cost, calibrated once per machine (calibrate.cached_profiles: a later
         process reads it, with no compile stall); ranks agree on the slowest (MAX)."""
         n = link.world_size
         if n in self._profiles:
             return
-        local = [cached_profile(o, n, calibration_numel=1 << 18,
-                                shapes=LOWRANK_CALIBRATION_SHAPES if isinstance(o, LowRank) else None) for o in self.options]
+        local = cached_profiles([(o, LOWRANK_CALIBRATION_SHAPES if isinstance(o, LowRank) else None) for o in self.options],
+                                n, calibration_numel=1 << 18)
         costs = torch.tensor([[p.encode_s_per_elem, p.decode_s_per_elem] for p in local], dtype=torch.float64)
         costs = link.allreduce(costs, torch.distributed.ReduceOp.MAX).tolist()
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)

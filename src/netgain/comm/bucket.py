@@ -98,9 +98,9 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     restart = memory_codec is not None and not codec.uses_feedback
     local_grad = ctx.feedback.restart(x, ctx) if restart else None
     checked = codec.needs_header or planner is not None or (state.config.nonfinite == "uncompressed" and not uncompressed)
+    measuring = planner is not None and planner.wants_errors(state.step)
     if checked:
-        # the scales where the codec or the planner's error measurement uses them; else the flags alone
-        scaled = codec.needs_scales or (planner is not None and planner.wants_errors(state.step))
+        scaled = codec.needs_scales or measuring  # the scales where the codec or the error measurement uses them
         scales, nonfinite = header(state, communicator, index, codec, x, ctx, record, scaled)
         if nonfinite and state.config.nonfinite == "raise":
             bad = nonfinite_gradients(communicator, layout, x)
@@ -114,7 +114,7 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
         if scaled:
             ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         job.verdict.set_result(None)
-    if planner is not None and planner.wants_errors(state.step) and codec is not UNCOMPRESSED:
+    if measuring and codec is not UNCOMPRESSED:
         planner.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
     exact = None
     if layout.exact_index is not None and not uncompressed:

@@ -2,7 +2,7 @@
 
 `time_codec` runs a codec's encode and decode on one bucket in-process, with the aggregate faked;
 `codec_profile` turns that (or a GPU's memory-bound estimate) into a `network.CodecProfile`, which
-Kimad's planner, `netgain model` and the benchmarks price (the planner through `cached_profile`: once per
+Kimad's planner, `netgain model` and the benchmarks price (the planner through `cached_profiles`: once per
 machine); `bucket_layout` lays a bucket out as the
 hook does, so a codec can be timed or replayed outside training.
 """
@@ -164,10 +164,11 @@ def codec_profile(codec: Codec, world_size: int, cost: "str | GPU" = "calibrate"
     return dataclasses.replace(profile, encode_s_per_elem=enc / numel, decode_s_per_elem=dec / numel)
 
 
-def cached_profile(codec: Codec, world_size: int, calibration_numel: int | None = None,
-                   shapes: list[tuple[int, ...]] | None = None, cache: "str | None" = None) -> network.CodecProfile:
-    """codec_profile(codec, world_size, "calibrate", ...), measured once per machine and read back by later
-    processes from ``cache`` (default DEFAULT_CACHE_DIR/codec-profiles.json).
+def cached_profiles(codecs: list[tuple[Codec, list[tuple[int, ...]] | None]], world_size: int,
+                    calibration_numel: int | None = None, cache: "str | None" = None) -> list[network.CodecProfile]:
+    """codec_profile(codec, world_size, "calibrate", calibration_numel, shapes) of each (codec, shapes),
+    measured once per machine and read back by later processes from ``cache`` (default
+    DEFAULT_CACHE_DIR/codec-profiles.json): the file is read once, and written once if any was missing.
 
     Why: calibrating times the compiled path, and its first call compiles: 3-11 s of a job's first steps
     on a 2-core CPU, in every process. The key holds all that the cost depends on: the codec, world size,
@@ -175,23 +176,27 @@ def cached_profile(codec: Codec, world_size: int, calibration_numel: int | None 
     (nothing read can run code); an unreadable cache is measured again and rewritten.
     """
     path = Path(cache) if cache is not None else DEFAULT_CACHE_DIR / "codec-profiles.json"
-    device = torch.device("cpu")
-    key = json.dumps([codec.describe(), world_size, calibration_numel, shapes and [list(s) for s in shapes],
-                      torch.get_num_threads(), kernel.compile_mode(device) == "eager", cpu_name(), torch.__version__])
-    entries = _read_profiles(path)
-    profile = codec_profile(codec, world_size, "free")
-    if key in entries:
-        encode, decode = entries[key]
-        return dataclasses.replace(profile, encode_s_per_elem=encode, decode_s_per_elem=decode)
-    profile = codec_profile(codec, world_size, "calibrate", calibration_numel=calibration_numel, shapes=shapes)
-    entries = {**_read_profiles(path), key: [profile.encode_s_per_elem, profile.decode_s_per_elem]}  # another rank's too
-    record = json.dumps({"format": PROFILE_CACHE_FORMAT, "entries": entries}, indent=0).encode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda f: f.write(record))
-    except OSError as error:  # a read-only home: the run goes on, the next process calibrates again
-        warnings.warn(f"netgain: could not keep codec calibrations in {path} ({error})", RuntimeWarning)
-    return profile
+    machine = [torch.get_num_threads(), kernel.compile_mode(torch.device("cpu")) == "eager", cpu_name(), torch.__version__]
+    entries, added, profiles = _read_profiles(path), {}, []
+    for codec, shapes in codecs:
+        key = json.dumps([codec.describe(), world_size, calibration_numel, shapes and [list(s) for s in shapes], *machine])
+        if key in entries:
+            encode, decode = entries[key]
+            profiles.append(dataclasses.replace(codec_profile(codec, world_size, "free"),
+                                                encode_s_per_elem=encode, decode_s_per_elem=decode))
+            continue
+        profile = codec_profile(codec, world_size, "calibrate", calibration_numel=calibration_numel, shapes=shapes)
+        added[key] = [profile.encode_s_per_elem, profile.decode_s_per_elem]
+        profiles.append(profile)
+    if added:
+        entries = {**_read_profiles(path), **added}  # another process's entries too, written meanwhile
+        record = json.dumps({"format": PROFILE_CACHE_FORMAT, "entries": entries}, indent=0).encode()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda f: f.write(record))
+        except OSError as error:  # a read-only home: the run goes on, the next process calibrates again
+            warnings.warn(f"netgain: could not keep codec calibrations in {path} ({error})", RuntimeWarning)
+    return profiles
 
 
 def _read_profiles(path: Path) -> dict[str, list[float]]:

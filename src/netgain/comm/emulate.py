@@ -28,6 +28,11 @@ def link_rate(text: str, flag: str = "--emulate-link") -> float:
         raise ValueError(f"{flag} {text}: {str(error).removeprefix('bandwidth: ')}") from None
 
 
+def emulated_link(rate: str) -> net.Link:
+    """The cost model's link of an emulated ``rate``: its bandwidth, no latency, gloo's ring."""
+    return net.Link(f"emulated {rate}", link_rate(rate), 0.0, f"--emulate-link {rate}", algorithm="ring")
+
+
 class EmulatedLink:
     """One rank's side of an emulated link of ``rate`` ('100mbit'), shared by every collective it launches.
 
@@ -44,7 +49,7 @@ class EmulatedLink:
 
     def __init__(self, rate: str):
         self.rate = rate
-        self.link = net.Link(f"emulated {rate}", link_rate(rate), 0.0, f"--emulate-link {rate}", algorithm="ring")
+        self.link = emulated_link(rate)
         self._free_at = 0.0  # time.perf_counter() at which the bytes launched so far have crossed
         self._due: list = []  # heap of (due, order, future to complete, value, CUDA stream)
         self._order = itertools.count()

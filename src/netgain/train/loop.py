@@ -148,14 +148,10 @@ class Trainer:
                                                 budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
                                                 lowrank_rank=config.kimad_lowrank_rank,
                                                 **codec)
-        if config.emulate_link:
-            self.emulate_link(EmulatedLink(config.emulate_link))
+        if config.emulate_link:  # netgain's pipeline hands it to its Communicator, made at the first bucket
+            self.comm_state.link = EmulatedLink(config.emulate_link)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
-
-    def emulate_link(self, link: EmulatedLink) -> None:
-        """Every collective the gradient hook launches is held until its bytes could have crossed ``link``."""
-        self.comm_state.link = link  # netgain's pipeline hands it to its Communicator, made at the first bucket
 
     def train(self) -> None:
         c = self.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -16,7 +17,7 @@ from torch import nn
 import netgain.comm as comm
 from netgain import models
 from netgain.comm import bandwidth
-from netgain.comm.emulate import EmulatedLink
+from netgain.comm.emulate import emulated_link
 from netgain.cost import network as net
 from netgain.files import require_claimed, write_atomically
 from netgain.train.config import TrainConfig
@@ -62,9 +63,9 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
                                  for key in ("step_s", "wait_s", "wire_bytes", "raw_bytes"))
     hop_size = config.replicas if config.fsdp else world_size  # the ranks the codec's collectives span
     link = fit_link([history["buckets"][i] for i in timed], hop_size)
-    emulated = EmulatedLink(config.emulate_link).link if config.emulate_link else None
+    emulated = emulated_link(config.emulate_link) if config.emulate_link else None
     if emulated and link:
-        link = net.Link(emulated.name, emulated.bandwidth, 0.0, emulated.note, overhead=link.overhead, algorithm="ring")
+        link = dataclasses.replace(emulated, overhead=link.overhead)
     fp32_step_s = (net.predict([b["numel"] for b in history["buckets"][-1]], hop_size, link,
                                compute_s=step_s - wait_s).step_s if link else None)
     final = validations[-1]
