@@ -50,7 +50,7 @@ def monitor_step(monitor, sizes, rate, alpha=0.0005, collective="allreduce", wor
 
 def own_estimate(monitor):
     """(bandwidth, latency, overhead_s) from this rank's own samples of the step just ended (one rank: no agreeing)."""
-    return monitor.add_step(monitor.take_step())
+    return monitor.add_step(monitor.take_step())[:3]
 
 
 def test_fit_takes_alpha_from_small_and_beta_from_large_collectives():
@@ -167,6 +167,23 @@ def test_a_rise_counts_after_rise_steps():
     assert monitor.update(4.5e6, 0.001) == 4e6   # two steps agree: the link got faster
     assert monitor.update(0.5e6, 0.001) == 0.5e6  # a fall is followed at once
     assert monitor.update(0.0, 0.0) == 0.5e6      # no sample on any rank: nothing changes
+
+
+def test_a_rise_read_from_small_messages_does_not_count_where_volume_is_required():
+    """auto's monitor (rise_volume): a token bucket's burst passes small messages at wire speed while it
+    refills between steps. Measured at 1.6 MB a message, the rate is a ceiling: 80 kB messages that read 20x
+    faster (or unmeasured) do not raise it, a fall read from them counts while it lasts, and a rise at
+    comparable volume counts."""
+    monitor = BandwidthMonitor(window_steps=1, rise_volume=0.5)
+    assert monitor.update(1.25e6, 0.001, 0.0, 1.6e6) == 1.25e6
+    assert monitor.update(25e6, 0.001, 0.0, 80e3) == 1.25e6
+    assert monitor.update(float("inf"), 0.001, 0.0, 80e3) == 1.25e6
+    assert monitor.update(1e6, 0.001, 0.0, 80e3) == 1e6              # slower at any volume: believed at once
+    assert monitor.update(25e6, 0.001, 0.0, 80e3) == 1.25e6          # and gone with the steps that read it
+    assert monitor.update(2e6, 0.001, 0.0, 0.9e6) == 2e6             # faster at comparable volume: believed
+    assert monitor.volume == 1.6e6 and BandwidthMonitor(window_steps=1).update(25e6, 0.001, 0.0, 80e3) == 25e6
+    with pytest.raises(ValueError, match="rise_volume must be in"):
+        BandwidthMonitor(rise_volume=2.0)
 
 
 def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
@@ -479,13 +496,13 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
 
 
-def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), backward_s=None):
+def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), compute_s=None):
     """auto's options (none, bf16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
     1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
     per element, solved."""
     planner = comm.AutoConfig().build()
     planner.monitor.update(bandwidth, 0.0, 0.0)
-    planner._backward_s = backward_s
+    planner._compute.extend([] if compute_s is None else [compute_s])
     planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=(costs or {}).get(o.describe(), (costs or {}).get(o.name, 0.0)))
                             for o in planner.options]
     planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
@@ -547,7 +564,7 @@ def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():
     """Low rank takes more steps to the target (LOWRANK_STEPS). Where compute dominates the step, a faster
     step by low rank loses to gqsgd, which takes fp32's steps; where the link dominates, low rank wins."""
     gigabit = {"bf16": 1e-9, "gqsgd": 1e-9, "lowrank": 1e-9}  # gqsgd 4-bit ~6 ms, low rank ~1 ms a step
-    assert auto_planner(125e6, gigabit, backward_s=None) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
-    assert auto_planner(125e6, gigabit, backward_s=0.2) == ["gqsgd(bits=4,encoding=packed)"]
-    assert auto_planner(1e6, gigabit, backward_s=0.2) == ["lowrank(rank=4,factors=fp32)"]  # 1.15x the steps, not 1.3x
-    assert auto_planner(1e5, gigabit, backward_s=0.2) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert auto_planner(125e6, gigabit, compute_s=None) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+    assert auto_planner(125e6, gigabit, compute_s=0.3) == ["gqsgd(bits=4,encoding=packed)"]
+    assert auto_planner(1e6, gigabit, compute_s=0.3) == ["lowrank(rank=4,factors=fp32)"]  # 1.15x the steps, not 1.3x
+    assert auto_planner(1e5, gigabit, compute_s=0.3) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]

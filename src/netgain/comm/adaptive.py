@@ -37,7 +37,8 @@ volumes sent, and a shaper's burst passes small steps at wire speed. Every input
 hook's header checks it bucket by bucket.
 
 auto is the route a user gets without choosing: time to the target loss is step time x steps. The
-step is the compute (COMPUTE_PER_BACKWARD x the measured backward) plus each bucket's predicted link
+step is its other time, measured (each step's wall time from the previous step's end, less its link and
+codec time: the median over recent steps of the slowest rank's) plus each bucket's predicted link
 and codec time; the steps are fp32's for the exact, rounded and unbiased options (bf16 took 0.97-0.99x
 fp32's steps on the lab, gqsgd is held within max_error), and low rank's measured multiple of them
 (LOWRANK_STEPS: its error feedback gets there, later). It counts every collective and all codec time
@@ -47,13 +48,19 @@ overlapped there. Options: none, bf16, gqsgd at `bits`, and low rank at `lowrank
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
 Until a bucket layout has a plan (the first steps, DDP's rebuild) it sends bf16, not fp32: no
 uncompressed warm-up on a slow link, and low rank's random warm start starts from a plan made on
-gradients bf16 kept whole.
+gradients bf16 kept whole. Those bf16 steps also measure the link at volume, and auto's monitor
+believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
+at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
+sustain for large ones. It re-plans when its errors are measured (replan_every), and when the link's
+rate or the step's other time moves by more than replan_threshold.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
+import time
 import warnings
 
 import torch
@@ -73,7 +80,12 @@ AUTO_SLACK = 0.05  # auto: the least-error plan among those predicted at most 5%
 # (bench/results/time_to_accuracy_auto_1gbit_3w.md; PowerSGD r4 1.16x, fp16 0.98x), and 1.09-1.27x and
 # 1.21-1.52x on the earlier cells netgain.cost.advise cites
 LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
-COMPUTE_PER_BACKWARD = 1.5  # a step's compute over its backward's: the forward is about half the backward's FLOPs
+# auto tries each plan the model prices within TRIAL_RANGE x the best price (measured or predicted) for TRIAL_STEPS
+# steps, the first TRIAL_SKIP left out (a codec's first calls, a flushed memory); the median step then prices it
+TRIAL_RANGE = 1.5
+TRIAL_STEPS = 8
+TRIAL_SKIP = 2
+RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
 STALL = 2.0  # a step over STALL x the median ratio is a stall or a link change, not spread (on the lab, steady-state ratios lay at 0.5-1.9)
@@ -119,7 +131,7 @@ class AdaptivePlanner:
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
         self.unplanned = (cast or self.options)[0]  # what a bucket layout without a plan sends: bf16 (auto), fp32
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
-        self.monitor = monitor or BandwidthMonitor(skip_steps=1)
+        self.monitor = monitor or BandwidthMonitor(skip_steps=1, rise_volume=RISE_VOLUME if auto else None)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
         self.errors: dict[int, list[float]] = {}          # bucket index -> agreed error of the mean per option
         self.relative: dict[int, list[float]] = {}        # bucket index -> those errors / the gradient's energy
@@ -129,7 +141,13 @@ class AdaptivePlanner:
         self._profiles: dict[int, list[network.CodecProfile]] = {}
         self._predicted: float | None = None
         self._backward_s: float | None = None
-        self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
+        self._compute: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # agreed step seconds less communication
+        self._last_end: float | None = None               # when the previous step ended (this rank's clock)
+        self._periods: dict[tuple, float] = {}            # auto: plan key -> its measured step seconds (agreed median)
+        self._running: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # auto: agreed step seconds of the plan running now
+        self._plan_steps = 0                              # auto: steps the plan running now has run
+        self.trying = False                               # auto: the plan running now is tried for its price
+        self._planned_link: tuple[float, float, float] | None = None  # (bandwidth, overhead_s, compute_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
@@ -184,10 +202,18 @@ class AdaptivePlanner:
 
     def _end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
         samples = self.monitor.take_step()
-        # MAX of backward and codec seconds; the sample counts' MAX and MIN (-MAX of -count)
-        backward_s, codec_s, most, fewest = link.allreduce(
-            torch.tensor([backward_s, codec_s, len(samples), -len(samples)], dtype=torch.float64),
+        # the step's other seconds (compute, the user's loop): from the previous step's end, less its communication
+        now = time.perf_counter()
+        last, self._last_end = self._last_end, now
+        period_s = -1.0 if last is None else now - last
+        other_s = -1.0 if last is None else max(0.0, period_s - link_time(samples) - codec_s)
+        # MAX of backward, codec, step and other seconds; the sample counts' MAX and MIN (-MAX of -count)
+        backward_s, codec_s, period_s, other_s, most, fewest = link.allreduce(
+            torch.tensor([backward_s, codec_s, period_s, other_s, len(samples), -len(samples)], dtype=torch.float64),
             torch.distributed.ReduceOp.MAX).tolist()
+        if other_s >= 0:
+            self._compute.append(other_s)
+        priced = self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s)
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
         agreed = self.monitor.agree(link, samples) if most == -fewest else []
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
@@ -200,7 +226,10 @@ class AdaptivePlanner:
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or self._link_moved())
+        moved = self._link_moved()
+        if moved:
+            self._periods.clear()  # measured on another link
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -214,7 +243,7 @@ class AdaptivePlanner:
                      "plan_error": max((self.relative[i][self.options.index(codec)]
                                         for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
                      "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
-                     "climbing": self.climbing}
+                     "climbing": self.climbing, "trying": self.trying}
         return self.last
 
     def unfit_message(self) -> str:
@@ -248,27 +277,40 @@ class AdaptivePlanner:
     def _link_moved(self) -> bool:
         if self._planned_link is None:
             return False
-        bandwidth, overhead_s = self._planned_link  # either may be infinite: bytes cost no measurable time
+        bandwidth, overhead_s, compute_s = self._planned_link  # either rate may be infinite: bytes cost no measurable time
         within = bandwidth / (1 + self.replan_threshold) <= self.monitor.bandwidth <= bandwidth * (1 + self.replan_threshold)
+        if self.mode == "auto":  # measured step times price auto's plans; a plan tried on another link is priced again
+            return not within
         return not within or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s()
 
     def state_dict(self) -> dict:
         """What every rank agreed on (identical everywhere): the link estimate, the compute time and
         the recent overruns behind the margin."""
         return {"bandwidth": self.monitor.bandwidth, "agreed": list(self.monitor.agreed),
+                "sustained": self.monitor.sustained, "volume": self.monitor.volume,
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
-                "backward_s": self._backward_s, "overruns": list(self._overruns)}
+                "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
+                "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.agreed.clear()
         self.monitor.agreed.extend(state.get("agreed", [state["bandwidth"]] if state["bandwidth"] else []))
+        self.monitor.sustained, self.monitor.volume = state.get("sustained"), state.get("volume", 0.0)
         self.monitor.latency, self.monitor.overhead_s = state["latency"], state["overhead_s"]
         self._backward_s = state["backward_s"]
+        self._compute.clear()
+        self._compute.extend(state.get("compute", []))
+        self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
+
+    def compute_s(self) -> float:
+        """auto's price of a step beside its communication: the median over recent steps of the slowest rank's
+        seconds from one step's end to the next less the step's link and codec time (0 before a second step)."""
+        return statistics.median(self._compute) if self._compute else 0.0
 
     def margin(self) -> float:
         """How far measured steps overrun the plan's prediction, at least 1: the plan aims at budget /
@@ -296,48 +338,74 @@ class AdaptivePlanner:
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
-        wanted, self.fits = self._choose(times, errors, safe)  # fits: some safe plan fits, reachable now or not
+        wanted, self.fits = self._choose(indices, times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
-        choice = wanted if held == safe else self._choose(times, errors, held)[0]
+        choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
         # held below the plan the estimate asks for: re-plan at the next step, one rung up
         self.climbing = any(not row[w] for row, w in zip(held, wanted))
-        self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
+        plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
+        if plan != self.plan:  # a new plan's step times price it from its first steps
+            self._running.clear()
+            self._plan_steps = 0
+        self.plan = plan
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
-        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
+        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s, self.compute_s())
         self._stale = False
 
-    def _choose(self, times, errors, safe) -> tuple[list[int], bool]:
+    def _choose(self, indices, times, errors, safe) -> tuple[list[int], bool]:
         """The plan among the safe options: unbiased ones that fit, else any that fit, else the fastest;
         and whether it fits."""
         if self.mode == "auto":
-            return self._soonest(times, errors, safe), True
+            return self._soonest(indices, times, errors, safe), True
         unbiased = [[ok and self.options[o].unbiased for o, ok in enumerate(row)] for row in safe]
         fits = _fit_uniform if self.mode == "kimad" else _fit_knapsack
         budget = self.budget_s() / self.margin() - self.monitor.overhead_s
         fitted = fits(times, errors, unbiased, budget) or fits(times, errors, safe, budget)
         return fitted or _fastest(times, safe, uniform=self.mode == "kimad"), fitted is not None
 
-    def _soonest(self, times, errors, safe) -> list[int]:
-        """auto: the plan with the least predicted time to the target, (compute + communication) x steps.
+    def _soonest(self, indices, times, errors, safe) -> list[int]:
+        """auto: the plan with the least time to the target, step time x steps.
 
         Each option's steps to the target, as a multiple of fp32's, is steps_to_target's (LOWRANK_STEPS,
-        measured on the lab); a plan takes its slowest option's. For each such level the fastest plan among the options
-        that take at most those steps is priced; the soonest wins, and within AUTO_SLACK of its time the
-        plan that errs least. Compute is COMPUTE_PER_BACKWARD x the measured backward time."""
-        compute_s = COMPUTE_PER_BACKWARD * (self._backward_s or 0.0)
+        measured on the lab); a plan takes its slowest option's. For each such level the candidate is the
+        fastest plan among the options that take at most those steps, or within AUTO_SLACK of its
+        communication time the one that errs least. A candidate's step is its measured step time once it
+        ran TRIAL_STEPS on this link (_price_plan), else predicted: the step's other time (compute_s) plus
+        its communication. The cheapest candidate wins, unless one not yet measured is predicted within
+        TRIAL_RANGE of it: that one runs next, to be measured (`trying`)."""
+        compute_s = self.compute_s()
         factors = [steps_to_target(option) for option in self.options]
-        best = None
+        candidates = {}  # plan key -> (price, measured, choice)
         for level in sorted(set(factors)):
             allowed = [[ok and factors[o] <= level for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
                 continue
             fastest = _fastest(times, allowed, uniform=False)
             comm_s = sum(ts[c] for ts, c in zip(times, fastest))
-            to_target = (compute_s + comm_s) * max(factors[c] for c in fastest)
-            if best is None or to_target < best[0]:
-                best = (to_target, comm_s, allowed, fastest)
-        _, comm_s, allowed, fastest = best
-        return _fit_knapsack(times, errors, allowed, (1 + AUTO_SLACK) * comm_s) or fastest
+            choice = _fit_knapsack(times, errors, allowed, (1 + AUTO_SLACK) * comm_s) or fastest
+            key = self._key(indices, choice)
+            measured = self._periods.get(key)
+            step_s = measured if measured is not None else compute_s + sum(ts[c] for ts, c in zip(times, choice))
+            candidates[key] = (step_s * max(factors[c] for c in choice), measured is not None, choice)
+        best = min(candidates.values(), key=lambda c: c[0])
+        untried = [c for c in candidates.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
+        self.trying = len(candidates) > 1 and bool(untried)
+        return min(untried, key=lambda c: c[0])[2] if self.trying else best[2]
+
+    def _key(self, indices, choice) -> tuple:
+        """A plan's identity: each bucket's index, size and option."""
+        return tuple((i, self._numels[i], c) for i, c in zip(indices, choice))
+
+    def _price_plan(self, period_s: float) -> bool:
+        """auto: one more agreed step time of the plan running now; its measured price is the median of its
+        recent steps after its first TRIAL_SKIP. True when a tried plan has just been priced: re-plan."""
+        self._plan_steps += 1
+        if self._plan_steps <= TRIAL_SKIP:
+            return False
+        self._running.append(period_s)
+        order = sorted(self.plan)
+        self._periods[self._key(order, [self.options.index(self.plan[i][1]) for i in order])] = statistics.median(self._running)
+        return self.trying and self._plan_steps == TRIAL_STEPS
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
@@ -346,8 +414,8 @@ class AdaptivePlanner:
         shaper's burst passes small steps at wire speed (on the lab at 100 Mbit/s, low rank's 0.2 MB steps
         read as 67 Gbit/s, and the next plan sent 6.9 MB uncompressed, 0.55 s against a 0.2 s budget)."""
         planned = [self.plan.get(i) for i in indices]
-        if any(p is None or p[0] != self._numels[i] for p, i in zip(planned, indices)):
-            return safe  # a new layout: its first plan comes from an uncompressed step
+        if self.mode == "auto" or any(p is None or p[0] != self._numels[i] for p, i in zip(planned, indices)):
+            return safe  # auto prices every option at the rate its largest messages measured; a new layout's first plan
         now = [self.options.index(p[1]) for p in planned]
         if self.mode == "kimad":
             totals, common = [sum(column) for column in zip(*sizes)], [all(column) for column in zip(*safe)]

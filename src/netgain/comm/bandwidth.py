@@ -29,7 +29,13 @@ shortens it, and on the 2-core lab it is most of what a rank reports on some ste
 planning on it ran the most compressed safe plan for nothing.
 
 A rise is followed once it outlasts the window: the bandwidth to plan with is the lowest of the
-last window_steps agreed estimates, and a fall counts at once. A shaper's burst can make steps look
+last window_steps agreed estimates, and a fall counts at once. With `rise_volume` (auto's), a rise
+also needs volume: it counts only where the window's largest collective was at least that share of the
+largest one measured: the rate last measured at such volume is a ceiling on the one planned with (a
+fall read from small messages counts while it lasts). A token bucket passes each step's small messages from its burst while
+the burst refills between steps, so they read a rate the link cannot sustain for larger ones: on the lab at
+10 Mbit/s, low rank's 82 kB steps read 152 Mbit/s and then "unmeasured", and every 11 steps a plan of
+2.3 MB took 2.8 s against 0.14 s. A shaper's burst can make steps look
 far faster than the link (1,449 Mbit/s estimated at 300 Mbit/s on the lab), and a fit off the link
 lasts while its samples stay in the window (3+ steps at 5-20 Gbit/s at 300 Mbit/s): planning fp32
 on that overran the budget.
@@ -61,12 +67,14 @@ class BandwidthMonitor:
     5-20 Gbit/s and the plan sent fp32, 0.23-0.49 s against a 0.2 s budget), so a rise must outlast one
     window; skip_steps: first steps whose collectives are not samples (a process's first step waits for ranks
     that start late and for first calls that compile: 0.6 s beyond the fit on `netgain train --task
-    digits`, which the first plan took for per-step overhead); clock: when a collective completed (seconds).
+    digits`, which the first plan took for per-step overhead); rise_volume: a rise counts only where
+    measured on collectives at least this share of the largest behind the estimate (None: at any volume,
+    so that a plan of small messages can climb to a faster link); clock: when a collective completed (seconds).
     """
 
     def __init__(self, window_steps: int = 8, change: float = 1.5, spread: float = 1.5,
                  overhead_steps: int = 20, max_samples: int = 256, skip_steps: int = 0, rise_steps: int | None = None,
-                 clock=time.perf_counter):
+                 rise_volume: float | None = None, clock=time.perf_counter):
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         if rise_steps is not None and rise_steps < 1:
@@ -75,10 +83,15 @@ class BandwidthMonitor:
             raise ValueError(f"skip_steps must be >= 0, got {skip_steps}")
         if change <= 1:
             raise ValueError(f"change must be > 1, got {change}")
+        if rise_volume is not None and not 0 < rise_volume <= 1:
+            raise ValueError(f"rise_volume must be in (0, 1] or None, got {rise_volume}")
         self.window_steps, self.change, self.spread = window_steps, change, spread
         self.overhead_steps, self.max_samples, self.clock = overhead_steps, max_samples, clock
         self._skip = skip_steps
         self.agreed: collections.deque = collections.deque(maxlen=rise_steps or window_steps)  # the last steps' agreed estimates
+        self.rise_volume = rise_volume
+        self.volume = 0.0                    # wire bytes of the largest collective measured (rise_volume)
+        self.sustained: float | None = None  # the rate last measured at comparable volume (rise_volume): a ceiling
         self.latency: float = 0.0            # agreed seconds per collective
         self.overhead_s: float = 0.0         # agreed seconds per step beyond the fit
         self._step: list[tuple[float, float]] = []         # (wire bytes, service s) this step
@@ -115,8 +128,9 @@ class BandwidthMonitor:
         agreed = link.allreduce(torch.tensor(rows, dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
         return [(wire, -service) for wire, service in agreed]
 
-    def add_step(self, step: list[tuple[float, float]]) -> tuple[float, float, float]:
-        """(bandwidth, latency, overhead_s) after one step's samples; bandwidth is 0 before any sample."""
+    def add_step(self, step: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+        """(bandwidth, latency, overhead_s, volume) after one step's samples: volume is the wire bytes of the
+        fitted window's largest collective; bandwidth is 0 before any sample."""
         if step and self._skip:
             self._skip, step = self._skip - 1, []
         if step:
@@ -134,24 +148,29 @@ class BandwidthMonitor:
             predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _ in step)
             self._extra = (self._extra + [link_time(step) - predicted])[-self.overhead_steps:]
         if self._local_fit is None:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         alpha, slope = self._local_fit
         extra = sorted(self._extra) or [0.0]
-        return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))])
+        volume = max(x for samples in self._window for x, _ in samples)
+        return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))]), volume
 
-    def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0) -> float | None:
-        """Take the agreed estimate of one step (identical on every rank); returns the bandwidth to plan
-        with: the lowest of the last rise_steps steps' estimates."""
+    def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf) -> float | None:
+        """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
+        `volume` wire bytes; returns the bandwidth to plan with."""
         if bandwidth > 0:
             self.agreed.append(bandwidth)
             self.latency, self.overhead_s = latency, overhead_s
+            if self.rise_volume is not None and volume >= self.rise_volume * self.volume:
+                self.sustained, self.volume = min(self.agreed), max(self.volume, volume)
         return self.bandwidth
 
     @property
     def bandwidth(self) -> float | None:
         """Bytes/s on the wire per rank to plan with: the lowest recent agreed estimate (None before any;
-        infinite where bytes cost no measurable time)."""
-        return min(self.agreed, default=None)
+        infinite where bytes cost no measurable time), with rise_volume at most the rate last measured at
+        the largest volume."""
+        recent = min(self.agreed, default=None)
+        return recent if self.sustained is None else min(recent, self.sustained)
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         """Seconds one collective of `payload_bytes` takes on the agreed fit (overhead not included)."""
