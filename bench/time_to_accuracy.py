@@ -352,6 +352,7 @@ def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s
     """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
     on this model's own parameter shapes; compute_s: a worker's step with every worker computing at once,
     slowdown: its ratio to the step alone (see measure_compute, codec_profiles)."""
+    from netgain.comm.config import AutoConfig
     from netgain.cost import advise
 
     buckets, tensors, bucket_shapes = advise.model_buckets(shapes, args.bucket_mb, args.bucket_mb)
@@ -365,11 +366,15 @@ def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s
                            codec_shares_compute=True,  # lab workers: their threads fill the cores
                            steps=advise.read_steps(args.steps_from, workers) if args.steps_from else None)
     chosen = advise.recommend(rows)
+    forecast = AutoConfig().build().plan_ahead(buckets, bucket_shapes, workers, link, compute_s, args.codec_cost)
+    plan = sorted(set(forecast["plan"]))
     return {"rate": rate, "workers": workers, "link": link.name, "link_note": link.note, "compute_s": compute_s,
             "slowdown": slowdown,
             "codec": chosen.profile.name, "label": label_of(chosen.profile.name),
             "predicted_step_s": chosen.prediction.step_s, "predicted_speedup": chosen.speedup,
-            "steps_from": args.steps_from, "steps": chosen.steps}
+            "steps_from": args.steps_from, "steps": chosen.steps,
+            "auto_forecast": advise.auto_forecast(forecast), "auto_plan": forecast["plan"],
+            "auto_label": label_of(plan[0]) if len(plan) == 1 else None}
 
 
 # ---------------------------------------------------------------- the driver
@@ -433,6 +438,12 @@ def verdicts(summary: list[dict], picks: dict) -> list[str]:
         lines.append(f"{rate}, {workers} workers: fastest to target {best['contestant']} ({best['tta_s']:.1f} s); "
                      f"netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; predicted step "
                      f"{chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): {verdict}.")
+        if "auto_forecast" in chosen:
+            forecast = next((s for s in cell if s["contestant"] == chosen["auto_label"]), None)
+            measured = ("no contestant runs it" if forecast is None or not math.isfinite(forecast["tta_s"]) else
+                        f"{forecast['contestant']} took {forecast['tta_s'] / best['tta_s']:.2f}x the fastest's time")
+            lines.append(f"{rate}, {workers} workers: netgain model's forecast of auto: {chosen['auto_forecast']} "
+                         f"Measured: {measured}.")
         for a, b in zip(cell, cell[1:]):
             if math.isfinite(b["tta_s"]) and b["tta_min"] <= a["tta_max"]:
                 lines.append(f"{rate}, {workers} workers: {a['contestant']} ({a['tta_s']:.1f} s) before "

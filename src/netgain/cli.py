@@ -38,7 +38,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
     # netgain.cost knows no codecs nor align: `netgain model` gets the codecs' profiles from netgain.comm, as
     # data, and netgain.align's model types (a compressed folder counts its real layers) as a call
-    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles, model_types=_align_model_types)
+    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles, auto_plan=_auto_plan, model_types=_align_model_types)
     return parser
 
 
@@ -46,6 +46,12 @@ def _candidate_profiles(world_size, cost, shapes=None):
     from netgain.comm.config import candidate_profiles
 
     return candidate_profiles(world_size, cost, shapes)
+
+
+def _auto_plan(numels, shapes, world_size, link, compute_s, cost):
+    from netgain.comm.config import AutoConfig
+
+    return AutoConfig().build().plan_ahead(numels, shapes, world_size, link, compute_s, cost)
 
 
 def _align_model_types():

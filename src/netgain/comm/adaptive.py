@@ -68,7 +68,7 @@ import torch
 from .. import plan as knapsack
 from ..cost import network
 from .bandwidth import BandwidthMonitor, in_words, link_time
-from .calibrate import cached_profiles
+from .calibrate import cached_profiles, codec_profile
 from .codecs import Cast, Codec, GlobalQSGD, NoCompression, TopK, check_integer
 from .lowrank import LowRank
 from .quantize import levels_per_side
@@ -405,7 +405,7 @@ class AdaptivePlanner:
         self._running.append(period_s)
         order = sorted(self.plan)
         self._periods[self._key(order, [self.options.index(self.plan[i][1]) for i in order])] = statistics.median(self._running)
-        return self.trying and self._plan_steps == TRIAL_STEPS
+        return self.trying and self._plan_steps >= TRIAL_STEPS
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
@@ -426,17 +426,47 @@ class AdaptivePlanner:
         return held  # never empty: none is always safe, and the next larger safe option is always in reach
 
     def _agree_profiles(self, link) -> None:
-        """Every option's encode/decode cost, calibrated once per machine (calibrate.cached_profiles: a later
-        process reads it, with no compile stall); ranks agree on the slowest (MAX)."""
+        """Every option's encode/decode cost on this machine (_local_profiles); ranks agree on the slowest (MAX)."""
         n = link.world_size
         if n in self._profiles:
             return
-        local = cached_profiles([(o, LOWRANK_CALIBRATION_SHAPES if isinstance(o, LowRank) else None) for o in self.options],
-                                n, calibration_numel=1 << 18)
+        local = self._local_profiles(n)
         costs = torch.tensor([[p.encode_s_per_elem, p.decode_s_per_elem] for p in local], dtype=torch.float64)
         costs = link.allreduce(costs, torch.distributed.ReduceOp.MAX).tolist()
         self._profiles[n] = [dataclasses.replace(p, encode_s_per_elem=e, decode_s_per_elem=d)
                              for p, (e, d) in zip(local, costs)]
+
+    def _local_profiles(self, world_size: int, cost="calibrate") -> list[network.CodecProfile]:
+        """Every option's cost model: calibrated once per machine (calibrate.cached_profiles: a later process
+        reads it, with no compile stall), or by `cost` ("free", a GPU's memory-bound kernel)."""
+        if cost != "calibrate":
+            return [codec_profile(option, world_size, cost) for option in self.options]
+        return cached_profiles([(o, LOWRANK_CALIBRATION_SHAPES if isinstance(o, LowRank) else None) for o in self.options],
+                               world_size, calibration_numel=1 << 18)
+
+    def plan_ahead(self, numels: list[int], shapes: list | None, world_size: int, link: network.Link,
+                   compute_s: float, cost="calibrate") -> dict:
+        """auto's plan for a job before it runs (`netgain model`), by the planner's own solve: the link given
+        (ModelledLink), the step's other time `compute_s` given, every option's error within max_error but
+        low rank's, counted as the bucket's energy as in a run. Returns {"plan": a codec description per bucket,
+        "step_s", "steps": its predicted step and steps to the target (x fp32's), "options": {description:
+        (step_s, steps)} of each option on every bucket}."""
+        self.monitor = ModelledLink(link)
+        self._compute.append(compute_s)
+        self._profiles[world_size] = self._local_profiles(world_size, cost)
+        for index, numel in enumerate(numels):
+            self._numels[index], self._shapes[index] = numel, shapes[index] if shapes else None
+            self.errors[index] = self.relative[index] = [float(isinstance(o, LowRank)) for o in self.options]
+        self._solve(world_size)
+
+        def priced(choice: list[int]) -> tuple[float, float]:
+            step_s = compute_s + sum(self._option_cost(c, index, world_size)[0] for index, c in enumerate(choice))
+            return step_s, max(steps_to_target(self.options[c]) for c in choice)
+
+        choice = [self.options.index(self.plan[index][1]) for index in range(len(numels))]
+        step_s, steps = priced(choice)
+        return {"plan": [self.options[c].describe() for c in choice], "step_s": step_s, "steps": steps,
+                "options": {o.describe(): priced([k] * len(numels)) for k, o in enumerate(self.options)}}
 
     def _option_cost(self, option_index: int, index: int, world_size: int) -> tuple[float, float]:
         """(seconds, payload bytes) of an option for a bucket: its header and payload collectives on the
@@ -449,6 +479,19 @@ class AdaptivePlanner:
                    for collective, nbytes in [("allreduce", network.HEADER_BYTES), *payload])
         seconds = wire + numel * (profile.encode_s_per_elem + profile.decode_s_per_elem)
         return seconds, sum(nbytes for _, nbytes in payload)
+
+
+class ModelledLink:
+    """A link given, not measured, in the monitor's place (AdaptivePlanner.plan_ahead): each collective priced
+    by netgain.cost.network, the shaper's burst counted as spent (auto's rate is the one measured at volume)."""
+
+    def __init__(self, link: network.Link):
+        self.link, self.bandwidth, self.overhead_s = link, link.bandwidth, 0.0
+
+    def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
+        if collective == "allgather":
+            return network.allgather_s(payload_bytes, world_size, self.link)
+        return network.allreduce_s(payload_bytes, world_size, self.link)
 
 
 def _fit_knapsack(times, errors, allowed, budget) -> list[int] | None:

@@ -11,6 +11,7 @@ bench/time_to_accuracy.py writes them), "fastest" means time to target: step tim
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import json
@@ -418,4 +419,25 @@ def run(args) -> int:
     else:
         print(f"recommendation: {chosen.profile.name} "
               f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
+    print(auto_forecast(args.auto_plan(buckets, bucket_shapes, args.workers, link, compute_s, cost)))
     return 0
+
+
+POWERSGD_R4 = "lowrank(rank=4,factors=fp32)"  # PowerSGD r4's bytes and steps: netgain's low rank r4 with fp32 factors
+
+
+def auto_forecast(forecast: dict) -> str:
+    """What `auto` (netgain train's and register's default) would run, from its planner's own solve
+    (AdaptivePlanner.plan_ahead), and its time to the target against fp32 DDP's and PowerSGD r4's. Its
+    steps to the target are those auto prices each option with (LOWRANK_STEPS for low rank), measured on
+    bench/time_to_accuracy.py's grid; its step counts every collective as exposed, as auto does."""
+    counts = collections.Counter(forecast["plan"])
+    plan = ", ".join(f"{codec} on {n} bucket{'s' * (n > 1)}" for codec, n in counts.most_common())
+    to_target = forecast["step_s"] * forecast["steps"]
+    versus = [f"{(s * k) / to_target:.2f}x sooner than {name} ({s:.4g} s a step, {k:.3g}x the steps)"
+              for name, (s, k) in (("fp32 DDP", forecast["options"]["none"]),
+                                   ("PowerSGD r4", forecast["options"][POWERSGD_R4]))]
+    return (f"auto (the default) would run: {plan}; predicted step {forecast['step_s']:.4g} s and "
+            f"{forecast['steps']:.3g}x fp32's steps to the target (measured on the lab grid): to the target "
+            f"{versus[0]}, {versus[1]}. In a run it tries the plans priced within 1.5x of the best and keeps the "
+            f"fastest measured.")
