@@ -348,6 +348,9 @@ def label_of(profile_name: str) -> str | None:
     return next((label for label in CONTESTANTS if CONTESTANTS[label] is not None and codec_name(label) == profile_name), None)
 
 
+UNSHAPED = {"codec": "none made (an unshaped link has no rate for netgain model to price)", "label": None}
+
+
 def pick(rate: str, workers: int, args, shapes: list[tuple[int, ...]], compute_s: float, slowdown: float) -> dict:
     """What `netgain model --workers N --link lab-RATE --compute-ms C --bucket-mb B --codec-cost COST` recommends,
     on this model's own parameter shapes; compute_s: a worker's step with every worker computing at once,
@@ -427,17 +430,21 @@ def verdicts(summary: list[dict], picks: dict) -> list[str]:
         if not cell:
             continue
         best, mine = cell[0], next((s for s in cell if s["contestant"] == chosen["label"]), None)
-        if mine is None:
-            verdict = "it was not run"
-        elif not math.isfinite(mine["tta_s"]):
-            verdict = f"it did not reach the target (reached in {mine['reached']} rounds)"
-        elif mine["tta_s"] <= WITHIN * best["tta_s"]:
-            verdict = f"{mine['tta_s']:.1f} s, within 10% of the fastest"
+        fastest = f"{rate}, {workers} workers: fastest to target {best['contestant']} ({best['tta_s']:.1f} s)"
+        if "predicted_step_s" not in chosen:  # an unshaped cell: no pick
+            lines.append(fastest + ".")
         else:
-            verdict = f"{mine['tta_s']:.1f} s, {mine['tta_s'] / best['tta_s']:.2f}x the fastest's time"
-        lines.append(f"{rate}, {workers} workers: fastest to target {best['contestant']} ({best['tta_s']:.1f} s); "
-                     f"netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; predicted step "
-                     f"{chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): {verdict}.")
+            if mine is None:
+                verdict = "it was not run"
+            elif not math.isfinite(mine["tta_s"]):
+                verdict = f"it did not reach the target (reached in {mine['reached']} rounds)"
+            elif mine["tta_s"] <= WITHIN * best["tta_s"]:
+                verdict = f"{mine['tta_s']:.1f} s, within 10% of the fastest"
+            else:
+                verdict = f"{mine['tta_s']:.1f} s, {mine['tta_s'] / best['tta_s']:.2f}x the fastest's time"
+            lines.append(f"{fastest}; netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; "
+                         f"predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): "
+                         f"{verdict}.")
         if "auto_forecast" in chosen:
             forecast = next((s for s in cell if s["contestant"] == chosen["auto_label"]), None)
             measured = ("no contestant runs it" if forecast is None or not math.isfinite(forecast["tta_s"]) else
@@ -538,10 +545,11 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                                 and r["label"] == "ddp")  # one per round with --seed-per-round
         lines += ["", f"## {rate}, {workers} workers", "",
                   f"{rounds} rounds. Target {' / '.join(targets)}. netgain model's pick, before the run: "
-                  f"**{chosen['codec']}** "
-                  f"(predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
-                  f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
-                  f"({compute_note(chosen, meta['codec_cost'])}), codec cost {meta['codec_cost']}"
+                  f"**{chosen['codec']}**"
+                  + ("" if "predicted_step_s" not in chosen else
+                     f" (predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "
+                     f"{chosen['link']} ({chosen['link_note']}), compute {1e3 * chosen['compute_s']:.1f} ms per step "
+                     f"({compute_note(chosen, meta['codec_cost'])}), codec cost {meta['codec_cost']}")
                   + (f"; by time to target with steps from {', '.join(chosen['steps_from'])} ({chosen['steps']:.3g}x fp32's)"
                      if chosen.get("steps") is not None else "") + ".", "",
                   f"| contestant | reached | time to target s (min-max) | without the first {FIRST_STEPS} steps | "
@@ -611,8 +619,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every:
         parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step a multiple of --eval-every")
-    if "none" in args.rates:
-        parser.error("--rates: netgain model's pick needs a shaped link, and 'none' is not one")
     if args.worker:
         worker(args)
         return 0
@@ -633,7 +639,8 @@ def main(argv=None) -> int:
         compute[workers], alone = measure_compute(args, workers)
         for rate in args.rates:
             # sharing the cores cannot speed a worker up: below 1 is noise (2 workers: 0.91-1.07)
-            picks[(rate, workers)] = pick(rate, workers, args, shapes, compute[workers], max(1.0, compute[workers] / alone))
+            picks[(rate, workers)] = (UNSHAPED if rate == "none" else
+                                      pick(rate, workers, args, shapes, compute[workers], max(1.0, compute[workers] / alone)))
             print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
                   f"(contestant {picks[(rate, workers)]['label']})", flush=True)
     rows = []

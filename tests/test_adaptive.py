@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, AdaptivePlanner, option_error
+from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, TRIAL_STEPS, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
 from netgain.comm.calibrate import codec_profile
@@ -558,6 +558,33 @@ def test_codec_profiles_are_calibrated_once_per_machine_and_a_bad_cache_is_measu
         assert calibrate.cached_profiles([(codec, None)], 2, calibration_numel=4096, cache=cache)[0].encode_s_per_elem > 0
     assert calls.count("calibrate") == 4
     assert json.loads(cache.read_bytes())["format"] == "netgain.codec-profiles/1"
+
+
+def test_auto_tries_the_plans_priced_near_the_best_and_keeps_the_fastest_measured():
+    """The model's prices make a shortlist; measured steps judge it. At 50 Mbit/s and 0.12 s of other time, low
+    rank with fp32 factors is priced cheapest, 8-bit factors and gqsgd 4-bit within TRIAL_RANGE, bf16 beyond it:
+    each of the three runs TRIAL_STEPS and is priced by its median step x its steps; the cheapest measured stays,
+    and bf16 never runs."""
+    planner = comm.AutoConfig().build()
+    planner.monitor.update(6.25e6, 0.0, 0.0)
+    planner._compute.append(0.12)
+    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
+    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
+    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 0.001, 0.005, 1.0, 1.0]
+
+    def run(step_s):
+        """TRIAL_STEPS steps of the plan; then re-plan, as end_step does when the plan has its price."""
+        assert [planner._price_plan(step_s) for _ in range(TRIAL_STEPS)][-1]
+        planner._solve(2)
+        return planner.plan[0][1].describe()
+
+    planner._solve(2)
+    assert planner.trying and planner.plan[0][1].describe() == "lowrank(rank=4,factors=fp32)"
+    assert run(0.20) == "lowrank(rank=4,factors=gqsgd,bits=8)"   # 0.23 s to the target per fp32 step, measured
+    assert run(0.14) == "gqsgd(bits=4,encoding=packed)"           # 0.175 measured: gqsgd's 0.2 predicted is within 1.5x
+    assert run(0.19) == "lowrank(rank=4,factors=gqsgd,bits=8)" and not planner.trying
+    bf16 = [o.describe() for o in planner.options].index("bf16")
+    assert len(planner._periods) == 3 and all(key[0][2] != bf16 for key in planner._periods)
 
 
 def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():

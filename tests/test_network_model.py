@@ -220,6 +220,9 @@ def test_cli_prints_every_codec_and_a_recommendation(capsys):
         assert make_codec(name, **params).describe() in out
     assert "recommendation:" in out and "**<-**" in out
     assert "7e+09 parameters" in out
+    auto = re.search(r"auto \(the default\) would run: (.*?); predicted step .* to the target ([0-9.]+)x sooner than "
+                     r"fp32 DDP .* ([0-9.]+)x sooner than PowerSGD r4", out)
+    assert auto and float(auto[2]) >= 1.0, out  # auto's own plan: never priced behind sending fp32
 
 
 def test_cli_custom_link_cpu_and_no_compression(capsys):

@@ -85,6 +85,7 @@ LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
 TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
 TRIAL_SKIP = 2
+REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
@@ -147,6 +148,7 @@ class AdaptivePlanner:
         self._running: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # auto: agreed step seconds of the plan running now
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self.trying = False                               # auto: the plan running now is tried for its price
+        self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
         self._planned_link: tuple[float, float, float] | None = None  # (bandwidth, overhead_s, compute_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
@@ -227,7 +229,7 @@ class AdaptivePlanner:
         if measured:
             self._agree_errors(link)
         moved = self._link_moved()
-        if moved:
+        if moved and self._periods and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
         replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced)
         if replanned:
@@ -290,7 +292,8 @@ class AdaptivePlanner:
                 "sustained": self.monitor.sustained, "volume": self.monitor.volume,
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
-                "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()]}
+                "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
+                "priced_rate": self._priced_rate}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.agreed.clear()
@@ -301,6 +304,7 @@ class AdaptivePlanner:
         self._compute.clear()
         self._compute.extend(state.get("compute", []))
         self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
+        self._priced_rate = state.get("priced_rate")
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
 
@@ -402,6 +406,8 @@ class AdaptivePlanner:
         self._plan_steps += 1
         if self._plan_steps <= TRIAL_SKIP:
             return False
+        if not self._periods:
+            self._priced_rate = self.monitor.bandwidth
         self._running.append(period_s)
         order = sorted(self.plan)
         self._periods[self._key(order, [self.options.index(self.plan[i][1]) for i in order])] = statistics.median(self._running)
