@@ -201,6 +201,21 @@ def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
     assert [resumed.monitor.update(3.5e6, 0.002) for _ in range(6)][-1] == 3e6
 
 
+def test_auto_checkpoint_carries_its_measured_prices_and_the_rate_believed_at_volume():
+    """A rank-0 checkpoint resumes auto's choice exactly: the plans' measured step times, the step's other time
+    and the rate measured at volume (a later small-volume reading must not lift it after the resume)."""
+    planner = comm.AutoConfig().build()
+    planner.monitor.update(1.25e6, 0.001, 0.0, 3e6)
+    planner._compute.extend([0.12, 0.13])
+    planner._periods[((0, 1000, 5),)] = 0.15
+    planner._priced_rate = 1.25e6
+    resumed = comm.AutoConfig().build()
+    resumed.load_state_dict(torch.load(io.BytesIO(_saved(planner.state_dict())), weights_only=True))
+    assert resumed._periods == {((0, 1000, 5),): 0.15} and resumed._priced_rate == 1.25e6
+    assert resumed.compute_s() == planner.compute_s() == 0.125
+    assert resumed.monitor.update(25e6, 0.001, 0.0, 80e3) == 1.25e6 and resumed.monitor.volume == 3e6
+
+
 def test_margin_is_an_order_statistic_a_new_step_exceeds_at_most_one_time_in_twenty():
     planner = AdaptivePlanner("kimad+")
     planner._overruns.extend([1.0, 1.2, 1.1, 1.05])

@@ -85,6 +85,7 @@ LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
 TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
 TRIAL_SKIP = 2
+AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (its 2 small collectives a step cost a lab step at 1 Gbit/s 10-20%)
 REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
@@ -149,6 +150,8 @@ class AdaptivePlanner:
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self.trying = False                               # auto: the plan running now is tried for its price
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
+        self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
+        self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float, float] | None = None  # (bandwidth, overhead_s, compute_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
@@ -203,26 +206,34 @@ class AdaptivePlanner:
             link.observer = observer
 
     def _end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
-        samples = self.monitor.take_step()
         # the step's other seconds (compute, the user's loop): from the previous step's end, less its communication
         now = time.perf_counter()
         last, self._last_end = self._last_end, now
+        samples = self.monitor.take_step()
         period_s = -1.0 if last is None else now - last
-        other_s = -1.0 if last is None else max(0.0, period_s - link_time(samples) - codec_s)
-        # MAX of backward, codec, step and other seconds; the sample counts' MAX and MIN (-MAX of -count)
-        backward_s, codec_s, period_s, other_s, most, fewest = link.allreduce(
-            torch.tensor([backward_s, codec_s, period_s, other_s, len(samples), -len(samples)], dtype=torch.float64),
-            torch.distributed.ReduceOp.MAX).tolist()
-        if other_s >= 0:
-            self._compute.append(other_s)
-        priced = self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s)
+        self._pending.append([backward_s, codec_s, period_s, -1.0 if last is None else
+                              max(0.0, period_s - link_time(samples) - codec_s)])
+        self._pending_samples += samples
+        if self._settled(step):
+            self.last = {**self.last, "replanned": False}
+            return self.last
+        pending, samples, self._pending, self._pending_samples = self._pending, self._pending_samples, [], []
+        # MAX of each step's backward, codec, step and other seconds; the sample counts' MAX and MIN (-MAX of -count)
+        agreed_rows = link.allreduce(torch.tensor(pending + [[len(samples), -len(samples), 0.0, 0.0]], dtype=torch.float64),
+                                     torch.distributed.ReduceOp.MAX).tolist()
+        (most, fewest, _, _), priced = agreed_rows.pop(), False
+        for backward_s, codec_s, period_s, other_s in agreed_rows:
+            if other_s >= 0:
+                self._compute.append(other_s)
+            priced |= self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s)
+            self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
+        codec_s = sum(row[1] for row in agreed_rows) / len(agreed_rows)
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
         agreed = self.monitor.agree(link, samples) if most == -fewest else []
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
-        comm_s = link_time(agreed) + codec_s if agreed else None
-        self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
+        comm_s = link_time(agreed) / len(agreed_rows) + codec_s if agreed else None
         if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
@@ -247,6 +258,12 @@ class AdaptivePlanner:
                      "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
                      "climbing": self.climbing, "trying": self.trying}
         return self.last
+
+    def _settled(self, step: int) -> bool:
+        """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
+        steps' times once every AGREE_EVERY steps, from what each rank recorded since."""
+        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing)
+                and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link, or
