@@ -51,8 +51,8 @@ uncompressed warm-up on a slow link, and low rank's random warm start starts fro
 gradients bf16 kept whole. Those bf16 steps also measure the link at volume, and auto's monitor
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
-sustain for large ones. It re-plans when its errors are measured (replan_every), and when the link's
-rate or the step's other time moves by more than replan_threshold.
+sustain for large ones. It re-plans when its errors are measured (replan_every), when the link's rate
+moves by more than replan_threshold, and when a plan it tries has its measured price.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
 TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
 TRIAL_SKIP = 2
-AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (its 2 small collectives a step cost a lab step at 1 Gbit/s 10-20%)
+AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
@@ -147,12 +147,13 @@ class AdaptivePlanner:
         self._last_end: float | None = None               # when the previous step ended (this rank's clock)
         self._periods: dict[tuple, float] = {}            # auto: plan key -> its measured step seconds (agreed median)
         self._running: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # auto: agreed step seconds of the plan running now
+        self._plan_key: tuple = ()                        # auto: the plan running now (_key)
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self.trying = False                               # auto: the plan running now is tried for its price
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
         self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
-        self._planned_link: tuple[float, float, float] | None = None  # (bandwidth, overhead_s, compute_s) the plan was made for
+        self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
@@ -296,9 +297,9 @@ class AdaptivePlanner:
     def _link_moved(self) -> bool:
         if self._planned_link is None:
             return False
-        bandwidth, overhead_s, compute_s = self._planned_link  # either rate may be infinite: bytes cost no measurable time
+        bandwidth, overhead_s = self._planned_link  # either may be infinite: bytes cost no measurable time
         within = bandwidth / (1 + self.replan_threshold) <= self.monitor.bandwidth <= bandwidth * (1 + self.replan_threshold)
-        if self.mode == "auto":  # measured step times price auto's plans; a plan tried on another link is priced again
+        if self.mode == "auto":  # auto has no budget: per-step overhead is in its measured step times
             return not within
         return not within or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s()
 
@@ -364,13 +365,13 @@ class AdaptivePlanner:
         choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
         # held below the plan the estimate asks for: re-plan at the next step, one rung up
         self.climbing = any(not row[w] for row, w in zip(held, wanted))
-        plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
-        if plan != self.plan:  # a new plan's step times price it from its first steps
+        key = self._key(indices, choice)
+        if key != self._plan_key:  # a new plan's step times price it from its first steps
+            self._plan_key, self._plan_steps = key, 0
             self._running.clear()
-            self._plan_steps = 0
-        self.plan = plan
+        self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
-        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s, self.compute_s())
+        self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
         self._stale = False
 
     def _choose(self, indices, times, errors, safe) -> tuple[list[int], bool]:
@@ -426,8 +427,7 @@ class AdaptivePlanner:
         if not self._periods:
             self._priced_rate = self.monitor.bandwidth
         self._running.append(period_s)
-        order = sorted(self.plan)
-        self._periods[self._key(order, [self.options.index(self.plan[i][1]) for i in order])] = statistics.median(self._running)
+        self._periods[self._plan_key] = statistics.median(self._running)
         return self.trying and self._plan_steps >= TRIAL_STEPS
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
