@@ -59,9 +59,6 @@ def register_contestant(ddp, spec):
     if spec is None:
         return None
     if spec[0] == "torch":
-        # netgain's background compiles make torch.compiler.is_compiling() true in every thread while they run,
-        # and PyTorch's fp16_compress_hook then returns a tensor, not a future: let them finish first
-        comm.kernel.wait_for_compiles()
         return comm.baselines.register(ddp, spec[1], warmup_steps=2, **spec[2])
     return comm.register(ddp, spec[1], **spec[2])
 

@@ -258,3 +258,22 @@ def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     assert not kernel.compiling()
     assert torch.equal(first, expected)
     assert torch.equal(fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875), expected)
+
+
+def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
+    """While the compile thread compiles, torch.compiler.is_compiling() stays false on every other thread
+    (dynamo's flag is process-wide: PyTorch's fp16_compress_hook returned a tensor to DDP while it was set)."""
+    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
+    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)
+
+    @kernel.kernel
+    def scaled_sum(x, factor: float):
+        return (x * factor).sum()
+
+    scaled_sum(torch.randn(5003), 0.5)
+    seen = []
+    while kernel.compiling():
+        seen.append(torch.compiler.is_compiling())
+    assert len(seen) > 0 and not any(seen)
+    assert torch.compiler.is_compiling() is False

@@ -146,9 +146,33 @@ def _compile_loop() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed: compile at the process's priority
         pass
+    _keep_sessions_to_this_thread()
     while True:
         variant, args, kwargs, threads = _compiles.get()
         variant.build(args, kwargs, threads)
+
+
+def _keep_sessions_to_this_thread() -> None:
+    """Dynamo holds torch.compiler.is_compiling() true for a whole compile session, in a process-wide flag, so
+    while this thread compiled, every other thread saw it true: PyTorch's fp16_compress_hook then returned a
+    tensor where DDP wants a future, optimizers skip their checks, transformers takes its traced branches.
+    Sessions begun on this thread leave the flag alone (the codecs' kernels read no flag and have no tensor
+    subclass whose dispatch would); every other thread's session sets it as before."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is None or getattr(session, "netgain_thread", None) is not None:
+        return
+    compile_thread = threading.current_thread()
+
+    @contextlib.contextmanager
+    def thread_session():
+        if threading.current_thread() is compile_thread:
+            yield
+        else:
+            with session():
+                yield
+
+    thread_session.netgain_thread = compile_thread
+    torch.compiler._compile_session_context = thread_session
 
 
 def _argument_class(args) -> tuple:
