@@ -511,11 +511,12 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
 
 
-def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), compute_s=None):
+def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), compute_s=None, warmed=True):
     """auto's options (none, bf16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
     1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
-    per element, solved."""
+    per element, solved; warmed: every option has run on the bucket (no compile ahead of any)."""
     planner = comm.AutoConfig().build()
+    planner._warmed = {(0, option) for option in range(len(planner.options))} if warmed else set()
     planner.monitor.update(bandwidth, 0.0, 0.0)
     planner._compute.extend([] if compute_s is None else [compute_s])
     planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=(costs or {}).get(o.describe(), (costs or {}).get(o.name, 0.0)))
@@ -579,8 +580,9 @@ def test_auto_tries_the_plans_priced_near_the_best_and_keeps_the_fastest_measure
     """The model's prices make a shortlist; measured steps judge it. At 50 Mbit/s and 0.12 s of other time, low
     rank with fp32 factors is priced cheapest, 8-bit factors and gqsgd 4-bit within TRIAL_RANGE, bf16 beyond it:
     each of the three runs TRIAL_STEPS and is priced by its median step x its steps; the cheapest measured stays,
-    and bf16 never runs."""
+    and bf16 never runs (every option has run on the bucket: none waits for a compile)."""
     planner = comm.AutoConfig().build()
+    planner._warmed = {(0, option) for option in range(len(planner.options))}
     planner.monitor.update(6.25e6, 0.0, 0.0)
     planner._compute.append(0.12)
     planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
@@ -610,3 +612,34 @@ def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():
     assert auto_planner(125e6, gigabit, compute_s=0.3) == ["gqsgd(bits=4,encoding=packed)"]
     assert auto_planner(1e6, gigabit, compute_s=0.3) == ["lowrank(rank=4,factors=fp32)"]  # 1.15x the steps, not 1.3x
     assert auto_planner(1e5, gigabit, compute_s=0.3) == ["lowrank(rank=4,factors=gqsgd,bits=8)"]
+
+
+def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
+    """gqsgd's kernels compile on their first calls, which run eagerly meanwhile: a cold gqsgd priced WARM_GAIN
+    below the rest runs once on a copy of the bucket (`prepare`), the running plan serving; its trial starts once
+    the compiles are done. Before the step's other time is measured, nothing is warmed."""
+    from netgain.comm.codecs import Context
+    from netgain.comm.fused import Segments, name_key
+
+    gigabit = {"bf16": 2e-8, "gqsgd": 1e-9, "lowrank": 1e-7}  # bf16's cast dear: gqsgd 4-bit far cheapest
+    planner = comm.AutoConfig().build()
+    planner.monitor.update(125e6, 0.0, 0.0)
+    planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=gigabit.get(
+        o.describe(), gigabit.get(o.name, 0.0))) for o in planner.options]
+    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
+    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 0.001, 0.005, 1.0, 1.0]
+    planner._solve(2)
+    assert not planner.warm and "gqsgd" not in planner.plan[0][1].describe()  # no compute measured yet
+    planner._compute.append(0.05)
+    planner._solve(2)
+    four = [o.describe() for o in planner.options].index("gqsgd(bits=4,encoding=packed)")
+    running = planner.plan[0][1].describe()
+    assert (0, four) in planner.warm and planner._awaiting and "gqsgd" not in running
+    x = torch.randn(1_000_000)
+    segments = Segments.build([x.numel()], [name_key("w")], "cpu")
+    before = x.clone()
+    planner.prepare(0, x, Context.for_step(2, segments, 0, 1, 0))
+    assert not planner.warm and torch.equal(x, before)  # the bucket itself untouched
+    planner._awaiting = False  # end_step: the compiles are done on every rank
+    planner._solve(2)
+    assert planner.plan[0][1].describe() == "gqsgd(bits=4,encoding=packed)"

@@ -3,6 +3,7 @@ bit for bit for every codec, the counter-based noise is a pure function of its k
 independent of the bucket layout, and the segmented max matches a per-parameter loop."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -195,7 +196,8 @@ def compile_jobs(monkeypatch):
     dropped afterwards, so no later caller waits for a compile that never ran."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)  # every call is worth a compile here
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)  # every call is worth a compile here
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
     jobs = []
     monkeypatch.setattr(kernel, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
     monkeypatch.setattr(kernel, "_compile_thread", "running")
@@ -235,22 +237,32 @@ def test_a_new_class_of_arguments_compiles_its_own_graph(compile_jobs):
     assert len(compile_jobs) == 3  # 5000 elements share 3000's graph; 1 element and another scale do not
 
 
-def test_a_call_too_cheap_to_repay_a_compile_stays_eager(compile_jobs, monkeypatch):
-    """On CPU a background compile takes the step's cores: a variant whose eager call takes less than
-    CPU_COMPILE_MIN_S is never compiled, and later calls of its class do not ask again."""
-    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 3600.0)
+def test_a_kernel_compiles_once_hot_or_when_asked_ahead(compile_jobs, monkeypatch):
+    """On CPU a background compile takes the step's cores and the GIL: a variant is compiled only from its
+    HOT_CALLS-th call, once its eager calls take COMPILE_SHARE of the time since its first; one called rarely
+    stays eager. `compile_ahead` starts the compile at the first call."""
+    monkeypatch.setattr(kernel, "HOT_CALLS", 3)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.05)
     x = torch.randn(3000)
     expected = fused.cast_scaled.eager(torch.empty(3000, dtype=torch.float16), x, 0.25)
-    for _ in range(2):
+    for call in range(3):  # back to back: hot at the third call
         assert torch.equal(fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25), expected)
-    assert compile_jobs == [] and not kernel.compiling()
+        assert len(compile_jobs) == (call == 2)
+    for call in range(3):  # another class, called once in a long while: cold
+        fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
+        time.sleep(0.05)
+    assert len(compile_jobs) == 1
+    with kernel.compile_ahead():
+        fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.75)
+    assert len(compile_jobs) == 2
 
 
 def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
     x = torch.randn(4099)
     expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
     first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
@@ -265,7 +277,8 @@ def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
     (dynamo's flag is process-wide: PyTorch's fp16_compress_hook returned a tensor to DDP while it was set)."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "CPU_COMPILE_MIN_S", 0.0)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
 
     @kernel.kernel
     def scaled_sum(x, factor: float):

@@ -67,9 +67,10 @@ import torch
 
 from .. import plan as knapsack
 from ..cost import network
+from . import kernel
 from .bandwidth import BandwidthMonitor, in_words, link_time
 from .calibrate import cached_profiles, codec_profile
-from .codecs import Cast, Codec, GlobalQSGD, NoCompression, TopK, check_integer
+from .codecs import Cast, Codec, Context, GlobalQSGD, NoCompression, TopK, check_integer
 from .lowrank import LowRank
 from .quantize import levels_per_side
 
@@ -86,6 +87,7 @@ TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
+WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
 REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
@@ -151,6 +153,9 @@ class AdaptivePlanner:
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self.trying = False                               # auto: the plan running now is tried for its price
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
+        self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
+        self._warmed: set[tuple[int, int]] = set()        # auto: (bucket, option) that ran: its kernels compiled or compiling
+        self._awaiting = False                            # auto: a trial waits for the kernels its warm-up began compiling
         self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
@@ -178,6 +183,20 @@ class AdaptivePlanner:
 
     def wants_errors(self, step: int) -> bool:
         return self._stale or (step + 1) % self.replan_every == 0
+
+    def prepare(self, index: int, x: torch.Tensor, ctx) -> None:
+        """auto: run the options awaiting their trial on this bucket once, on this rank's bucket, the output
+        dropped, so their kernels compile in the background while the running plan serves; the trial then
+        measures the compiled path, not eager calls and a compile (on the lab at 1 Gbit/s, gqsgd's first trial
+        steps took 0.68 s against 0.145 s steady). Stateless options only: low rank's state is its memory."""
+        for option in sorted(o for i, o in self.warm if i == index):
+            codec = self.options[option]
+            scratch = Context(ctx.world_size, ctx.segments, ctx.noise_keys, ctx.shared_keys, tables=ctx.tables,
+                              layout=ctx.layout, scales=ctx.scales if ctx.scales is not None else codec.local_scales(x, ctx))
+            with kernel.compile_ahead():
+                codec.decode(codec.encode(x, scratch), torch.empty_like(x), scratch)
+            self._warmed.add((index, option))
+        self.warm = {(i, o) for i, o in self.warm if i != index}
 
     def observe(self, index: int, x: torch.Tensor, ctx, codec: Codec) -> None:
         """Measure the bucket's energy and every option's compression error on this rank's bucket.
@@ -212,23 +231,30 @@ class AdaptivePlanner:
         last, self._last_end = self._last_end, now
         samples = self.monitor.take_step()
         period_s = -1.0 if last is None else now - last
+        # a kernel compiling in the background: the codecs ran eagerly and the compile took cores, so the step
+        # prices no plan and no compute (on the lab at 1 Gbit/s, bf16's trial during the first compiles read
+        # 0.21-0.38 s a step and kept that price, against 0.14 s once they were done)
         self._pending.append([backward_s, codec_s, period_s, -1.0 if last is None else
-                              max(0.0, period_s - link_time(samples) - codec_s)])
+                              max(0.0, period_s - link_time(samples) - codec_s), float(kernel.compiling())])
         self._pending_samples += samples
         if self._settled(step):
             self.last = {**self.last, "replanned": False}
             return self.last
         pending, samples, self._pending, self._pending_samples = self._pending, self._pending_samples, [], []
-        # MAX of each step's backward, codec, step and other seconds; the sample counts' MAX and MIN (-MAX of -count)
-        agreed_rows = link.allreduce(torch.tensor(pending + [[len(samples), -len(samples), 0.0, 0.0]], dtype=torch.float64),
-                                     torch.distributed.ReduceOp.MAX).tolist()
-        (most, fewest, _, _), priced = agreed_rows.pop(), False
-        for backward_s, codec_s, period_s, other_s in agreed_rows:
-            if other_s >= 0:
+        # MAX of each step's backward, codec, step and other seconds and compiling flag; the sample counts' MAX and
+        # MIN (-MAX of -count)
+        agreed_rows = link.allreduce(torch.tensor(pending + [[len(samples), -len(samples), 0.0, 0.0, 0.0]],
+                                                  dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
+        (most, fewest, *_), priced = agreed_rows.pop(), False
+        for backward_s, codec_s, period_s, other_s, compiling in agreed_rows:
+            if other_s >= 0 and not compiling:
                 self._compute.append(other_s)
-            priced |= self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s)
+            priced |= (self.mode == "auto" and not self._stale and period_s >= 0 and not compiling
+                       and self._price_plan(period_s))
             self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         codec_s = sum(row[1] for row in agreed_rows) / len(agreed_rows)
+        warmed = self._awaiting and not agreed_rows[-1][4]  # the warm-ups' compiles are done on every rank: try now
+        self._awaiting &= not warmed
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
         agreed = self.monitor.agree(link, samples) if most == -fewest else []
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
@@ -243,7 +269,7 @@ class AdaptivePlanner:
         moved = self._link_moved()
         if moved and self._periods and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced)
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -263,7 +289,7 @@ class AdaptivePlanner:
     def _settled(self, step: int) -> bool:
         """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
         steps' times once every AGREE_EVERY steps, from what each rank recorded since."""
-        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing)
+        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
                 and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 
     def unfit_message(self) -> str:
@@ -394,10 +420,29 @@ class AdaptivePlanner:
         communication time the one that errs least. A candidate's step is its measured step time once it
         ran TRIAL_STEPS on this link (_price_plan), else predicted: the step's other time (compute_s) plus
         its communication. The cheapest candidate wins, unless one not yet measured is predicted within
-        TRIAL_RANGE of it: that one runs next, to be measured (`trying`)."""
+        TRIAL_RANGE of it: that one runs next, to be measured (`trying`). A candidate whose stateless options have
+        not run on a bucket yet (cold: their kernels would compile) competes only if priced WARM_GAIN below the
+        best of the others: it is warmed first (`prepare`), and tried once their compiles are done; meanwhile the
+        others run."""
+        warm = [[ok and not self._cold(i, o) for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
+        ready = self._candidates(indices, times, errors, warm)  # never empty: none is safe and never cold
+        best = min(ready.values(), key=lambda c: c[0])
+        # a compile holds the GIL and the cores for seconds (on the lab at 1 Gbit/s, 3 workers on 2 cores: 16
+        # steps at 0.2-0.4 s against 0.14 s), so a cold candidate is warmed only where the model prices it
+        # WARM_GAIN below the best that would not compile, with the step's other time measured
+        cold = self._candidates(indices, times, errors, safe) if self._compute else {}
+        gaining = [c for key, c in cold.items() if key not in ready and c[0] * (1 + WARM_GAIN) < best[0]]
+        self.warm = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
+        self._awaiting = bool(self.warm)
+        untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
+        self.trying = len(ready) > 1 and bool(untried)
+        return min(untried, key=lambda c: c[0])[2] if self.trying else best[2]
+
+    def _candidates(self, indices, times, errors, safe) -> dict[tuple, tuple[float, bool, list[int]]]:
+        """One candidate plan per level of steps to the target: plan key -> (price, measured, choice)."""
         compute_s = self.compute_s()
         factors = [steps_to_target(option) for option in self.options]
-        candidates = {}  # plan key -> (price, measured, choice)
+        candidates = {}
         for level in sorted(set(factors)):
             allowed = [[ok and factors[o] <= level for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
@@ -409,10 +454,14 @@ class AdaptivePlanner:
             measured = self._periods.get(key)
             step_s = measured if measured is not None else compute_s + sum(ts[c] for ts, c in zip(times, choice))
             candidates[key] = (step_s * max(factors[c] for c in choice), measured is not None, choice)
-        best = min(candidates.values(), key=lambda c: c[0])
-        untried = [c for c in candidates.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
-        self.trying = len(candidates) > 1 and bool(untried)
-        return min(untried, key=lambda c: c[0])[2] if self.trying else best[2]
+        return candidates
+
+    def _cold(self, index: int, option: int) -> bool:
+        """A stateless option with kernels (not none) that has not run on this bucket: its first calls would run
+        eagerly while its kernels compile, so it is warmed (`prepare`) before it is tried."""
+        codec = self.options[option]
+        return not (isinstance(codec, NoCompression) or codec.uses_feedback or codec is self.unplanned
+                    or (index, option) in self._warmed)
 
     def _key(self, indices, choice) -> tuple:
         """A plan's identity: each bucket's index, size and option."""

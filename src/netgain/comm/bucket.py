@@ -116,6 +116,8 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
         job.verdict.set_result(None)
     if measuring and codec is not UNCOMPRESSED:
         planner.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
+    if planner is not None and planner.warm:
+        planner.prepare(index, x, ctx)  # auto: options awaiting their trial run once, their kernels compile meanwhile
     exact = None
     if layout.exact_index is not None and not uncompressed:
         exact = communicator.start("allreduce", x[layout.exact_index] / n, record)

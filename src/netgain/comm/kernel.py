@@ -30,12 +30,16 @@ COMPILE_MODES = ("auto", "1", "0")
 # 2 workers, 1 thread, two A B A B runs (bench/results/codec_ab_realize.md and its previous version): packed
 # int64 words 1.20x and 1.28x faster, gqsgd-exp 1.38x and 1.16x; int8 gqsgd 0.92x and 1.08x (no effect shown).
 COMPILE_OPTIONS = {"realize_reads_threshold": 64}
-# On CPU a background compile takes seconds of the cores the step runs on (2 workers on 2 cores: the steps
-# around it ran 2-3x their steady time), so a variant whose first, eager call took less than this stays
-# eager: it can win at most this much per call. At 1.7M elements, 1 thread (eager vs compiled, ms): the
-# bf16 cast 0.99 vs 0.51 and low rank's small factor codes (3.8 vs 4.1 per 1M) stay eager; the header's
-# max |g| 5.1 vs 0.71 and gqsgd's packing (41 vs 3.5 per 1M) compile. On CUDA every variant compiles.
-CPU_COMPILE_MIN_S = 10e-3
+# On CPU a background compile takes seconds of the cores and of the GIL the step runs on (3 workers on 2
+# cores at 1 Gbit/s: 16 steps at 0.2-0.4 s against 0.14 s), so a variant is compiled only once its eager calls
+# take this share of the time since its first call (from its HOT_CALLS-th call on): it is hot, and a compile
+# pays. At 1.7M elements, 1 thread (eager vs compiled, ms): gqsgd's packing (41 vs 3.5 per 1M) called every
+# step takes a third of a 0.14 s step and compiles at its third call; the header's max |g| (5.1 vs 0.71),
+# called at steps 0 and 1 and then once per 10 steps where no codec needs scales, takes 1-2% and stays eager;
+# so do the bf16 cast (0.99 vs 0.51) and low rank's small factor codes. `compile_ahead` compiles at once; on
+# CUDA every variant does.
+COMPILE_SHARE = 0.05
+HOT_CALLS = 3
 
 
 def compile_mode(device: torch.device) -> str:
@@ -48,6 +52,17 @@ def compile_mode(device: torch.device) -> str:
     if mode == "0" or (mode == "auto" and not _compiler_present(device.type)):
         return "eager"
     return "now" if mode == "1" or getattr(_local, "now", False) else "background"
+
+
+@contextlib.contextmanager
+def compile_ahead():
+    """Kernels first called inside start compiling in the background at once, however cold: a caller that
+    will soon run them hot (auto warming a plan before its trial) pays no eager steps for their heat to show."""
+    before, _local.ahead = getattr(_local, "ahead", False), True
+    try:
+        yield
+    finally:
+        _local.ahead = before
 
 
 @contextlib.contextmanager
@@ -206,15 +221,14 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
             return fn(*args, **kwargs)
         key = (variant(*args, **kwargs) if variant else None, _argument_class(args))
         graph = compiled.get(key)
-        if graph is None:
-            if mode == "background" and not args[0].is_cuda:  # compile only what pays: time the eager call
-                start = time.perf_counter()
+        if graph is None or isinstance(graph, _Eager):
+            if mode == "background" and not args[0].is_cuda and not getattr(_local, "ahead", False):
+                start = time.perf_counter()  # compile only what pays: time the eager calls
                 result = fn(*args, **kwargs)
-                if time.perf_counter() - start >= CPU_COMPILE_MIN_S:
-                    graph = compiled[key] = _Variant(fn, options)
-                    _compile_in_background(graph, args, kwargs)
-                else:
-                    compiled[key] = _EAGER
+                graph = graph or compiled.setdefault(key, _Eager(start))
+                if graph.hot(start, time.perf_counter()):
+                    compiled[key] = hot = _Variant(fn, options)
+                    _compile_in_background(hot, args, kwargs)
                 return result
             graph = compiled[key] = _Variant(fn, options)
             if mode == "now":
@@ -233,12 +247,17 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
 
 
 class _Eager:
-    """A variant left eager: its eager call was too cheap for a compile to pay (CPU_COMPILE_MIN_S)."""
+    """A CPU variant running eagerly until its calls take COMPILE_SHARE of the time since its first."""
     ready, failed = threading.Event(), True
     ready.set()
 
+    def __init__(self, first: float):
+        self.first, self.spent, self.calls = first, 0.0, 0
 
-_EAGER = _Eager()
+    def hot(self, start: float, end: float) -> bool:
+        self.spent += end - start
+        self.calls += 1
+        return self.calls >= HOT_CALLS and self.spent >= COMPILE_SHARE * (end - self.first)
 
 
 def _own_code(fn):
