@@ -511,8 +511,8 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
 
 
-def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 0.001, 0.005, 1.0, 1.0), compute_s=None, warmed=True):
-    """auto's options (none, bf16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
+def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0), compute_s=None, warmed=True):
+    """auto's options (none, bf16, fp16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
     1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
     per element, solved; warmed: every option has run on the bucket (no compile ahead of any)."""
     planner = comm.AutoConfig().build()
@@ -587,7 +587,7 @@ def test_auto_tries_the_plans_priced_near_the_best_and_keeps_the_fastest_measure
     planner._compute.append(0.12)
     planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
     planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 0.001, 0.005, 1.0, 1.0]
+    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0]
 
     def run(step_s):
         """TRIAL_STEPS steps of the plan; then re-plan, as end_step does when the plan has its price."""
@@ -627,7 +627,7 @@ def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
     planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=gigabit.get(
         o.describe(), gigabit.get(o.name, 0.0))) for o in planner.options]
     planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 0.001, 0.005, 1.0, 1.0]
+    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0]
     planner._solve(2)
     assert not planner.warm and "gqsgd" not in planner.plan[0][1].describe()  # no compute measured yet
     planner._compute.append(0.05)
@@ -643,3 +643,33 @@ def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
     planner._awaiting = False  # end_step: the compiles are done on every rank
     planner._solve(2)
     assert planner.plan[0][1].describe() == "gqsgd(bits=4,encoding=packed)"
+
+
+def test_auto_runs_a_settled_plan_of_plain_codecs_as_a_fixed_codec():
+    """A settled plan of none/bf16 steps with no header, launched inline (`plain`); not while it is tried, nor on
+    a step that measures errors, nor with a codec that needs scales or relays rounds."""
+    planner = comm.AutoConfig().build()
+    names = [o.describe() for o in planner.options]
+    planner._numels[0] = 1000
+    planner.plan = {0: (1000, planner.options[names.index("bf16")])}
+    planner._stale = False
+    assert planner.plain(3) and not planner.plain(planner.replan_every - 1)  # errors measured at replan_every
+    planner.trying = True
+    assert not planner.plain(3)
+    planner.trying = False
+    for name in ("gqsgd(bits=8,encoding=packed)", "lowrank(rank=4,factors=fp32)"):
+        planner.plan = {0: (1000, planner.options[names.index(name)])}
+        assert not planner.plain(3)
+    assert not comm.AdaptivePlanner("kimad+").plain(3)
+
+
+def test_fp16_is_admissible_only_far_below_its_range():
+    """auto's fp16 counts as infinitely wrong where a bucket's max |g| exceeds FP16_PEAK (65504 / 1024)."""
+    from netgain.comm.adaptive import FP16_PEAK, option_error
+    from netgain.comm.codecs import Cast
+
+    fp16, bf16 = Cast("fp16", torch.float16), Cast("bf16", torch.bfloat16)
+    x = torch.randn(1000)
+    assert 0 < option_error(fp16, x) < option_error(bf16, x)  # 3 more mantissa bits
+    assert option_error(fp16, x * 2 * FP16_PEAK) == float("inf") and option_error(bf16, x * 2 * FP16_PEAK) < float("inf")
+    assert option_error(fp16, x, torch.full((1000,), 2 * FP16_PEAK)) == float("inf")  # the header's max |g|, not the sample's

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .codecs import Codec, Context, NoCompression
+from .codecs import Codec, Context, NoCompression, NonFiniteGradientError, PlanMismatchError
 from .collectives import Communicator
 from .store import BucketLayout
 
@@ -39,14 +39,6 @@ if TYPE_CHECKING:
     from .hooks import CommState
 
 UNCOMPRESSED = NoCompression()
-
-
-class NonFiniteGradientError(RuntimeError):
-    """A bucket held NaN or Inf on at least one rank; raised on every rank."""
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks asked for different codecs or hook settings (for a bucket, or for the whole run); raised on every rank."""
 
 
 class _NotSent(RuntimeError):
@@ -62,6 +54,7 @@ class BucketJob:
     result: torch.futures.Future          # what DDP waits on: the averaged bucket
     step_jobs: list[BucketJob] = field(default_factory=list)  # this step's buckets so far, this one included
     last: bool = False                    # DDP's last bucket of the step
+    plain: bool = False                   # a planner's step run as a fixed codec's: no header, launched inline
     ready: object = None                  # CUDA: an event of the backward's stream, recorded when the bucket was
     record: dict | None = None            # statistics: codec, bytes, seconds, trace points
     out: torch.Tensor | None = None       # the decoded mean
@@ -97,7 +90,8 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     # the memory restarts from this step's gradient, before the header scales it (low rank's residual joins it)
     restart = memory_codec is not None and not codec.uses_feedback
     local_grad = ctx.feedback.restart(x, ctx) if restart else None
-    checked = codec.needs_header or planner is not None or (state.config.nonfinite == "uncompressed" and not uncompressed)
+    checked = codec.needs_header or (planner is not None and not job.plain) or (
+        state.config.nonfinite == "uncompressed" and not uncompressed)
     measuring = planner is not None and planner.wants_errors(state.step)
     if checked:
         scaled = codec.needs_scales or measuring  # the scales where the codec or the error measurement uses them
@@ -263,13 +257,19 @@ class Pipeline:
         if side_stream and torch.cuda.is_available() and torch.cuda.is_initialized() and not self.inline:
             self.stream = torch.cuda.Stream()
         self.failure: str | None = None  # why a bucket of this step failed; later buckets skip
+        self.plain = False  # this step's buckets run as a fixed codec's (a planner's settled plan: Planner.plain)
 
     def submit(self, job: BucketJob) -> None:
         """From DDP's thread: start the bucket; the last bucket's call raises the step's first error."""
         if job.buffer.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()
-        if self.inline:  # no header to wait for: launch from here, as PyTorch's own hooks do
+        if len(job.step_jobs) == 1:  # the step's first bucket: the previous step has ended, its plan stands
+            planner = self.state.planner
+            self.plain = (planner is not None and self.state.config.nonfinite == "raise"
+                          and planner.plain(self.state.step))
+        job.plain = self.plain
+        if self.inline or job.plain:  # no header to wait for: launch from here, as PyTorch's own hooks do
             self._run(job)
         else:
             self.executor.submit(self._run, job)
@@ -289,7 +289,13 @@ class Pipeline:
         if job.last:
             jobs = job.step_jobs
             concurrent.futures.wait([j.done for j in jobs])
-            self.end_step(jobs)
+            try:
+                self.end_step(jobs)
+            except Exception as error:  # the planner's agreement (a plan mismatch, a peer gone): every bucket fails
+                for j in jobs:
+                    j.fail(error)
+                if job.plain:  # on DDP's thread: raised as its class
+                    raise
             with on_stream(self.stream, None):  # DDP sees the step's results once its statistics are in
                 for j in jobs:
                     if not j.result.done():

@@ -51,6 +51,14 @@ ENCODINGS = ("packed", "int8")
 TOPK_SAMPLES = 2048  # per parameter: the top-k threshold is estimated from this many residuals
 
 
+class NonFiniteGradientError(RuntimeError):
+    """A bucket held NaN or Inf on at least one rank; raised on every rank."""
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks asked for different codecs or hook settings (for a bucket, or for the whole run); raised on every rank."""
+
+
 @dataclass
 class Context:
     """What a codec may use for one bucket in one step (built by the pipeline, or by time_codec)."""
@@ -505,6 +513,8 @@ class Planner(Chooser, Protocol):
     warm: set  # (bucket, option) to run once before the option is tried (`prepare`); empty: nothing to do
 
     def prepare(self, index: int, x: torch.Tensor, ctx: Context) -> None: ...
+
+    def plain(self, step: int) -> bool: ...
 
     def end_step(self, communicator, step: int, backward_s: float, codec_s: float) -> dict: ...
 

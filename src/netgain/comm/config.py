@@ -152,7 +152,7 @@ class AutoConfig:
     """auto, the default: per bucket, the option with the least predicted communication plus codec time
     at the link measured in this run (Kimad's monitor and knapsack; see netgain.comm.adaptive).
 
-    Options: none, bf16, Global-QSGD at ``bits`` (each within max_error of the gradient's energy, as
+    Options: none, bf16, fp16 (where max |g| stays far below its range), Global-QSGD at ``bits`` (each within max_error of the gradient's energy, as
     Kimad's), and low rank at ``rank`` with fp32 and with 8-bit factors (error feedback, as PowerSGD
     users accept); replan_every: steps between the measurements of the options' errors (a pass over each
     bucket per option, which Kimad's 10 made about 10% of a lab step on 2 cores; the link is re-planned

@@ -44,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="lm: byte-level Llama on the stdlib source (or --data); digits: MLP on sklearn digits")
     parser.add_argument("--codec", choices=CODEC_CHOICES, default=None,
                         help=f"netgain codec (default {DEFAULT_CODEC}: per bucket, the least communication plus codec time "
-                        "at the link measured in the run, among none, bf16, gqsgd and low rank at --rank; on --resume "
+                        "at the link measured in the run, among none, bf16, fp16, gqsgd and low rank at --rank; on --resume "
                         f"the checkpoint's; under --fsdp {DEFAULT_FSDP_CODEC} --bits 8: unbiased, summed by one allreduce); "
                         "none: fp32, as plain DDP; kimad/kimad+ fit a time budget; ddp, ddp-fp16, ddp-powersgd are "
                         "PyTorch's own hooks, for comparison")
