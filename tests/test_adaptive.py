@@ -100,6 +100,9 @@ def test_bytes_that_cost_no_measurable_time_leave_the_rate_unmeasured():
     monitor_step(monitor, [1_000, 1_000_000], 1e6)  # the plan climbed: the first larger message measures the rate
     assert own_estimate(monitor)[0] < 2e6  # at once: larger messages taking longer is no link change to hold back
     assert "bytes cost no measurable time" in in_words(float("inf")) and in_words(12.5e6) == "100 Mbit/s"
+    # one pair, a header that waited out a slow rank beside its payload: too little to call the rate unmeasured
+    alpha, slope = fit([(100, 0.004), (3_400_000, 0.003)])
+    assert rate(slope) == 3_400_000 / 0.003
 
 
 def agreed_samples(rank, world_size):
@@ -673,3 +676,15 @@ def test_fp16_is_admissible_only_far_below_its_range():
     assert 0 < option_error(fp16, x) < option_error(bf16, x)  # 3 more mantissa bits
     assert option_error(fp16, x * 2 * FP16_PEAK) == float("inf") and option_error(bf16, x * 2 * FP16_PEAK) < float("inf")
     assert option_error(fp16, x, torch.full((1000,), 2 * FP16_PEAK)) == float("inf")  # the header's max |g|, not the sample's
+
+
+def test_a_trial_beside_a_compile_is_priced_by_its_clear_steps_and_ends_at_twice_its_length():
+    """Steps that ran beside a compile (codecs eager, cores shared) price a plan only while it has no others;
+    a trial that never clears of compiles still ends, after 2 x TRIAL_STEPS."""
+    planner = comm.AutoConfig().build()
+    planner.trying, planner._plan_key = True, ("plan",)
+    results = [planner._price_plan(0.5, compiling=True) for _ in range(2 * TRIAL_STEPS)]
+    assert results[-1] and not any(results[:-1]) and planner._periods[("plan",)] == 0.5
+    planner._plan_steps, planner._beside_compiles = 0, []
+    results = [planner._price_plan(0.5 if k % 2 else 0.1, compiling=bool(k % 2)) for k in range(2 * TRIAL_STEPS)]
+    assert planner._periods[("plan",)] == 0.1  # the clear steps only

@@ -70,18 +70,24 @@ def nan_after_a_plan(rank, world_size, plain):
     """auto: three clean steps (its plan is made after DDP's rebuild), then a NaN on rank 1 at a step that
     measures nothing, every bucket sent as bf16 (on every rank: a plan, as the loaded loopback may not make
     it), which carries a header of flags alone (no scales); plain: a settled plan's step, with no header."""
-    model = ddp(Layers())
-    state = comm.register(model, "auto", min_compress_numel=0, replan_every=50)
+    model, state = auto_sending_bf16(rank, plain)
     try:
-        for step in range(3):
-            model.zero_grad()
-            model(step, rank).backward()
-        bf16 = next(option for option in state.chooser.options if option.name == "bf16")
-        state.chooser.codec_for = lambda index, numel: bf16
-        state.chooser.plain = lambda step: plain
         backward_with_nan_on_rank_one(model, rank)
     finally:
         state.close()
+
+
+def auto_sending_bf16(rank, plain):
+    """auto after three clean steps, every bucket sent as bf16 from now on; plain: with no header."""
+    model = ddp(Layers())
+    state = comm.register(model, "auto", min_compress_numel=0, replan_every=50)
+    for step in range(3):
+        model.zero_grad()
+        model(step, rank).backward()
+    bf16 = next(option for option in state.chooser.options if option.name == "bf16")
+    state.chooser.codec_for = lambda index, numel: bf16
+    state.chooser.plain = lambda step: plain
+    return model, state
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["header", "plain"])
@@ -94,15 +100,8 @@ def test_nan_raises_on_every_rank_under_auto_between_its_measurements(plain):
 def plans_differ_on_rank_one(rank, world_size):
     """auto: three clean steps, then rank 1 believes it runs another plan; its steps go on with no header
     (plain), so only the planner's agreement of the plan's signature can see it."""
-    model = ddp(Layers())
-    state = comm.register(model, "auto", min_compress_numel=0, replan_every=50)
+    model, state = auto_sending_bf16(rank, plain=True)
     try:
-        for step in range(3):
-            model.zero_grad()
-            model(step, rank).backward()
-        bf16 = next(option for option in state.chooser.options if option.name == "bf16")
-        state.chooser.codec_for = lambda index, numel: bf16
-        state.chooser.plain = lambda step: True
         if rank == 1:
             state.chooser._plan_key = ("another plan",)
         for step in range(3, 3 + comm.adaptive.AGREE_EVERY):

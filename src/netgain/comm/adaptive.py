@@ -157,6 +157,7 @@ class AdaptivePlanner:
         self._running: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # auto: agreed step seconds of the plan running now
         self._plan_key: tuple = ()                        # auto: the plan running now (_key)
         self._plan_steps = 0                              # auto: steps the plan running now has run
+        self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
         self.trying = False                               # auto: the plan running now is tried for its price
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
         self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
@@ -269,8 +270,7 @@ class AdaptivePlanner:
         for backward_s, codec_s, period_s, other_s, compiling in agreed_rows:
             if other_s >= 0 and not compiling:
                 self._compute.append(other_s)
-            priced |= (self.mode == "auto" and not self._stale and period_s >= 0 and not compiling
-                       and self._price_plan(period_s))
+            priced |= self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s, compiling)
             self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         codec_s = sum(row[1] for row in agreed_rows) / len(agreed_rows)
         warmed = self._awaiting and not agreed_rows[-1][4]  # the warm-ups' compiles are done on every rank: try now
@@ -415,6 +415,7 @@ class AdaptivePlanner:
         if key != self._plan_key:  # a new plan's step times price it from its first steps
             self._plan_key, self._plan_steps = key, 0
             self._running.clear()
+            self._beside_compiles.clear()
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
@@ -487,17 +488,20 @@ class AdaptivePlanner:
         """A plan's identity: each bucket's index, size and option."""
         return tuple((i, self._numels[i], c) for i, c in zip(indices, choice))
 
-    def _price_plan(self, period_s: float) -> bool:
+    def _price_plan(self, period_s: float, compiling: bool = False) -> bool:
         """auto: one more agreed step time of the plan running now; its measured price is the median of its
-        recent steps after its first TRIAL_SKIP. True when a tried plan has just been priced: re-plan."""
+        recent steps after its first TRIAL_SKIP, leaving out steps that ran beside a compile (their codecs
+        eager, their cores shared) while there are others. True when a tried plan has just been priced:
+        after TRIAL_STEPS steps clear of compiles, or 2 x TRIAL_STEPS in all (a trial must end)."""
         self._plan_steps += 1
         if self._plan_steps <= TRIAL_SKIP:
             return False
         if not self._periods:
             self._priced_rate = self.monitor.bandwidth
-        self._running.append(period_s)
-        self._periods[self._plan_key] = statistics.median(self._running)
-        return self.trying and self._plan_steps >= TRIAL_STEPS
+        (self._beside_compiles if compiling else self._running).append(period_s)
+        self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
+        clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
+        return self.trying and (clear or self._plan_steps >= 2 * TRIAL_STEPS)
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
