@@ -89,6 +89,10 @@ TRIAL_STEPS = 8
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
+# auto: prices within 5% are a tie, which goes to the plan taking fewer steps to the target (fp32's steps are
+# certain, low rank's LOWRANK_STEPS an estimate): on the lab at 1 Gbit/s a running bf16 plan's measured price moved
+# 0.138-0.157 s over 40 steps, and in 2 of 3 rounds auto kept low rank and took 129-132 steps to the fp16 hook's 117-118
+TIE = 0.05
 REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
@@ -441,7 +445,8 @@ class AdaptivePlanner:
         communication time the one that errs least. A candidate's step is its measured step time once it
         ran TRIAL_STEPS on this link (_price_plan), else predicted: the step's other time (compute_s) plus
         its communication. The cheapest candidate wins, unless one not yet measured is predicted within
-        TRIAL_RANGE of it: that one runs next, to be measured (`trying`). A candidate whose stateless options have
+        TRIAL_RANGE of it: that one runs next, to be measured (`trying`). Prices within TIE of the cheapest are a
+        tie, won by the plan taking the fewest steps. A candidate whose stateless options have
         not run on a bucket yet (cold: their kernels would compile) competes only if priced WARM_GAIN below the
         best of the others: it is warmed first (`prepare`), and tried once their compiles are done; meanwhile the
         others run."""
@@ -457,7 +462,10 @@ class AdaptivePlanner:
         self._awaiting = bool(self.warm)
         untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
         self.trying = len(ready) > 1 and bool(untried)
-        return min(untried, key=lambda c: c[0])[2] if self.trying else best[2]
+        if self.trying:
+            return min(untried, key=lambda c: c[0])[2]
+        tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
+        return min(tied, key=lambda c: (max(steps_to_target(self.options[o]) for o in c[2]), c[0]))[2]
 
     def _candidates(self, indices, times, errors, safe) -> dict[tuple, tuple[float, bool, list[int]]]:
         """One candidate plan per level of steps to the target: plan key -> (price, measured, choice)."""
