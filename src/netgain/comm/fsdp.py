@@ -31,15 +31,13 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from .config import (CODEC_CONFIGS, CastConfig, CommConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
-                     NoCompressionConfig, QSGDConfig, comm_config)
+from .config import CODEC_CONFIGS, STATELESS_CONFIGS, CommConfig, comm_config
 from .fused import Segments, name_key
 from .hooks import CommState
 from .store import BucketLayout
 
 REPLICATE, SHARD = "replicate", "shard"
-# codecs without per-rank state: EF21 (topk, randomk) and Kimad's plans would have to be sharded with FSDP
-CONFIGS = (NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig)
+CONFIGS = STATELESS_CONFIGS  # EF21 (topk, randomk), low rank's memory and the planners' state would have to be sharded
 CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
 
 

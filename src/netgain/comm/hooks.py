@@ -289,17 +289,22 @@ def check_same_config(config: CommConfig, group: dist.ProcessGroup | None) -> No
                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
 
 
-def check_state(state, config: dict, world_size: int, names: set[str]) -> None:
-    """ValueError unless ``state`` is a well-formed comm state of ``config`` at ``world_size`` for the parameters
-    ``names`` (empty: not known, as for a CommState built without param_names)."""
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+def check_saved(state, fmt: str, config: dict, what: str) -> None:
+    """ValueError unless ``state`` is a dict of format ``fmt`` saved under ``config`` (what: "comm", "sync")."""
+    if not isinstance(state, dict) or state.get("format") != fmt:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"not a netgain comm state of format {FORMAT!r} (got {found!r})")
+        raise ValueError(f"not a netgain {what} state of format {fmt!r} (got {found!r})")
     if state.get("config") != config:
         saved = state["config"] if isinstance(state.get("config"), dict) else {}
         differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
-        raise ValueError(f"the checkpoint's comm config differs in {differ}: saved {state.get('config')}, "
-                         f"this state {config}")
+        raise ValueError(f"the checkpoint's {what} config differs in {differ}: saved {state.get('config')}, "
+                         f"this run {config}")
+
+
+def check_state(state, config: dict, world_size: int, names: set[str]) -> None:
+    """ValueError unless ``state`` is a well-formed comm state of ``config`` at ``world_size`` for the parameters
+    ``names`` (empty: not known, as for a CommState built without param_names)."""
+    check_saved(state, FORMAT, config, "comm")
     if state.get("world_size") != world_size:
         raise ValueError(f"the checkpoint holds the comm state of {state.get('world_size')!r} ranks, "
                          f"this run has {world_size}: EF21 buffers are per rank")

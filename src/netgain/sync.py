@@ -1,0 +1,440 @@
+"""Synchronize less often: DiLoCo's outer steps around your optimizer, pseudo-gradients in summable codes.
+
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    outer = netgain.sync.wrap(model, inner, SyncConfig(period=64, bits=4, fragments=4, overlap_steps=2))
+    for inputs, labels in loader:              # this rank's own data
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        inner.zero_grad()
+        loss.backward()
+        outer.step()                           # inner.step(), then whatever sync is due
+    outer.wait()                               # apply the averages still on the wire
+    outer.close()                              # before the process group is destroyed
+
+Why. Per-step compression keeps one collective round trip per step. DiLoCo (arXiv 2311.08105) lets
+each worker take H inner steps alone, averages the pseudo-gradients Δ = global − local parameters,
+and applies the average to the global parameters with an outer SGD with Nesterov momentum (lr 0.7,
+momentum 0.9): H times fewer collectives. Streaming DiLoCo (arXiv 2501.18512) syncs fragments of the
+model in turn, overlaps each fragment's collective with the next inner steps, and sends 4-bit outer
+gradients. A pseudo-gradient is averaged by all-reduce, so Global-QSGD's summable codes apply
+unchanged: each fragment's Δ, one flat tensor, goes through the DDP bucket pipeline
+(`CommState.reduce_flat`: header, codec, errors raised on every rank, statistics in ``outer.comm``).
+
+PyTorch's `PostLocalSGDOptimizer` with `PeriodicModelAverager` averages the parameters themselves in
+fp32 and takes the average as the new parameters: no outer optimizer (outer lr 1, momentum 0), no
+fragments, overlap, compression or checkpoint of its own. Its calling convention is kept:
+``outer.step()`` runs the inner ``optimizer.step()``, then the outer work.
+
+Schedule. After inner step t, fragment f of F is due when t % period == f * period // F: its Δ is
+taken at once and averaged on one background thread (fragments in launch order, so every rank
+issues the same collectives in the same order), and the average is applied ``overlap_steps`` steps
+later, waiting for it if needed. That step is fixed by the step count, never by when the collective
+ends, so every rank applies it at the same step and a resume repeats the uninterrupted run bit for bit.
+
+Codecs. gqsgd (the default), qsgd and gqsgd-exp are unbiased: their error averages out over syncs,
+so no error feedback is needed. fp16 and bf16 round to nearest; none is exact. Error-feedback codecs
+and the planners are not offered yet. docs/sync.md has the rest: fields, fragments, checkpoints.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import dataclasses
+import itertools
+import numbers
+import types
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm.bucket import on_stream
+from .comm.codecs import NonFiniteGradientError, PlanMismatchError, check_integer
+from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
+from .comm.fused import Segments, name_key
+from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
+from .comm.store import BucketLayout
+
+__all__ = ["CODECS", "NonFiniteGradientError", "PlanMismatchError", "SyncConfig", "SyncOptimizer", "wrap"]
+
+FORMAT = "netgain.sync/1"
+CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """What is synced, how often, how it is coded, and the outer optimizer; checked on construction.
+
+    period: inner steps between two syncs of a fragment (DiLoCo's H).
+    fragments: parts of the model synced in turn, one every period // fragments steps (Streaming DiLoCo).
+    codec: how a pseudo-gradient is averaged: a name from CODECS or its config (GlobalQSGDConfig(bits=4)).
+    bits: the named codec's bits (None: its default); only with a codec name that takes bits.
+    outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo's: 0.7, 0.9, Nesterov).
+    overlap_steps: inner steps a fragment's average stays on the wire before it is applied (Streaming
+        DiLoCo's tau, torchft's fragment_sync_delay); 0: applied in the step that launched it.
+    mix: the share of a fragment's local parameters kept when the new global ones arrive (Streaming
+        DiLoCo's alpha, torchft's fragment_update_alpha); 0: replaced by them.
+    seed: keys the codec's rounding noise.
+    A bad value raises ValueError naming the field.
+    """
+    period: int = 16
+    codec: "str | CodecConfig" = "gqsgd"
+    bits: int | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        check_integer("period", self.period, 1)
+        check_integer("fragments", self.fragments, 1)
+        if self.fragments > self.period:
+            raise ValueError(f"fragments must be <= period={self.period} (one fragment is due per step at most), "
+                             f"got fragments={self.fragments}")
+        check_integer("overlap_steps", self.overlap_steps, 0)
+        if self.overlap_steps >= self.period:
+            raise ValueError(f"overlap_steps must be < period={self.period} (a fragment's average is applied before "
+                             f"its next sync), got overlap_steps={self.overlap_steps}")
+        check_integer("seed", self.seed)
+        for name, ok, what in (("outer_lr", lambda v: 0 < v < float("inf"), "> 0 and finite"),
+                               ("outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"), ("mix", lambda v: 0 <= v <= 1, "in [0, 1]")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+                raise ValueError(f"{name} must be a number {what}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+        self.comm_config()  # checks codec and bits
+
+    def comm_config(self) -> CommConfig:
+        """The codec as the DDP hook's pipeline takes it: every fragment coded (no warm-up, no size floor),
+        NaN/Inf raised on every rank."""
+        if isinstance(self.codec, str):
+            if self.codec not in CODECS:
+                raise ValueError(f"codec={self.codec!r} is not one of {CODECS}")
+            takes_bits = "bits" in {f.name for f in dataclasses.fields(CODEC_CONFIGS[self.codec])}
+            if self.bits is not None and not takes_bits:
+                raise ValueError(f"bits: codec {self.codec!r} takes no bits, got bits={self.bits!r}")
+            codec = codec_config(self.codec, bits=self.bits)
+        elif isinstance(self.codec, CONFIGS):
+            if self.bits is not None:
+                raise ValueError(f"bits: set the bits in the codec config itself, got bits={self.bits!r} "
+                                 f"beside {self.codec!r}")
+            codec = self.codec
+        else:
+            raise ValueError(f"codec must be one of {CODECS} or the config of one, got {self.codec!r}")
+        return CommConfig(codec, warmup_steps=0, min_compress_numel=0, seed=self.seed)
+
+    def describe(self) -> dict:
+        """Every field, the codec resolved: what ranks compare and checkpoints hold."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("codec", "bits", "seed")}
+        return {**fields, "comm": self.comm_config().describe()}
+
+
+@dataclass(eq=False)
+class _Fragment:
+    """One part of the model: its parameters and, flat in fp32 on their device, the outer state."""
+    index: int
+    offset: int                   # due when inner_steps % period == offset
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    global_: torch.Tensor         # the global parameters
+    momentum: torch.Tensor        # the outer optimizer's momentum
+    delta: torch.Tensor           # scratch: Δ = global − local, then its average over the ranks
+    layout: BucketLayout          # what the codec pipeline knows of the flat tensor (names, spans, segments)
+    global_views: list[torch.Tensor]
+    delta_views: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, index: int, offset: int, named: list[tuple[str, torch.nn.Parameter]]) -> _Fragment:
+        names, params = [n for n, _ in named], [p for _, p in named]
+        sizes = [p.numel() for p in params]
+        device = params[0].device
+        global_ = torch.cat([p.detach().reshape(-1).float() for p in params])
+        delta = torch.empty_like(global_)
+        spans = list(zip(itertools.accumulate([0] + sizes[:-1]), sizes))
+        layout = BucketLayout(names, spans, Segments.build(sizes, [name_key(n) for n in names], device))
+        return cls(index, offset, names, params, global_, torch.zeros_like(global_), delta, layout,
+                   _views(global_, params), _views(delta, params))
+
+
+def _views(flat: torch.Tensor, params) -> list[torch.Tensor]:
+    return [chunk.view(p.shape) for chunk, p in zip(flat.split([p.numel() for p in params]), params)]
+
+
+@dataclass(eq=False)
+class _Sync:
+    """A fragment's average on its way: launched, applied after inner step ``due``."""
+    fragment: _Fragment
+    due: int
+    done: concurrent.futures.Future
+
+
+class SyncOptimizer:
+    """DiLoCo around ``optimizer``: build it with `wrap`; call `step()` where you called ``optimizer.step()``.
+
+    Attributes: ``optimizer`` (the inner one, yours: schedulers and zero_grad go to it), ``config``,
+    ``inner_steps``, ``comm`` (the codec pipeline's CommState: per-sync statistics in
+    ``comm.history``, the last in ``comm.last_step``) and ``process_group``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig,
+                 process_group: dist.ProcessGroup | None = None):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel()]
+        if not named:
+            raise ValueError("model has no trainable parameters to sync")
+        if len({p.device for _, p in named}) > 1:
+            raise ValueError(f"model's parameters lie on several devices ({sorted({str(p.device) for _, p in named})}): "
+                             "netgain.sync keeps one flat buffer per fragment on one device")
+        if config.fragments > len(named):
+            raise ValueError(f"fragments={config.fragments} is more than the model's {len(named)} trainable parameters: "
+                             "each fragment holds whole parameters")
+        if not dist.is_initialized():
+            raise RuntimeError("netgain.sync needs the process group up: call torch.distributed.init_process_group "
+                               "first (torchrun sets its environment)")
+        self.config, self.optimizer, self.inner_steps = config, optimizer, 0
+        # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
+        check_same_config(types.SimpleNamespace(describe=lambda: {"sync": config.describe(), "model": _signature(named)}),
+                          process_group)
+        if process_group is None:
+            process_group = dist.new_group(backend=dist.get_backend(), timeout=_default_group_timeout())
+        self.process_group = process_group
+        self.fragments = [_Fragment.build(f, f * config.period // config.fragments, part)
+                          for f, part in enumerate(_split(named, config.fragments))]
+        self._due = {fragment.offset: fragment for fragment in self.fragments}
+        source = dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for fragment in self.fragments:  # every rank starts from rank 0's parameters, as DDP does
+                dist.broadcast(fragment.global_, src=source, group=self.process_group)
+                torch._foreach_copy_(fragment.params, fragment.global_views)
+        self.comm = CommState(config.comm_config(), process_group=self.process_group)
+        self.comm.check_config(self.process_group)  # compared above: marks it so no sync compares it again
+        device = self.fragments[0].global_.device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netgain-sync", initializer=_thread_start,
+                                            initargs=(torch.get_num_threads(), device))
+        self._pending: deque[_Sync] = deque()
+
+    def step(self, closure=None):
+        """The inner step, then the outer work due after it; returns what the inner step returned.
+
+        Raises NonFiniteGradientError on every rank when a fragment's pseudo-gradient held NaN/Inf on
+        some rank (at the step its average was due), PlanMismatchError when ranks disagree.
+        """
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.inner_steps += 1
+        fragment = self._due.get(self.inner_steps % self.config.period)
+        if fragment is not None:
+            self._launch(fragment)
+        while self._pending and self._pending[0].due <= self.inner_steps:
+            self._apply(self._pending.popleft())
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def wait(self) -> None:
+        """Apply every average still on the wire now, e.g. after the last step (every rank at the same step)."""
+        while self._pending:
+            self._apply(self._pending.popleft())
+
+    @torch.no_grad()
+    def _launch(self, fragment: _Fragment) -> None:
+        torch._foreach_copy_(fragment.delta_views, fragment.params)
+        torch.sub(fragment.global_, fragment.delta, out=fragment.delta)
+        ready = None
+        if self._stream is not None:  # the side stream starts after Δ is written, never blocking this one
+            ready = torch.cuda.Event()
+            ready.record()
+        done = self._executor.submit(self._average, fragment, ready, self.inner_steps)
+        self._pending.append(_Sync(fragment, self.inner_steps + self.config.overlap_steps, done))
+
+    def _average(self, fragment: _Fragment, ready, step: int) -> None:
+        """On the sync thread: Δ becomes its mean over the ranks, through the codec (a CUDA decode is
+        finished on return: reduce_flat synchronizes the device)."""
+        try:
+            with on_stream(self._stream, ready):
+                self.comm.reduce_flat(fragment.index, fragment.delta, fragment.layout)
+        except NonFiniteGradientError as error:  # the hook's hint, nonfinite='uncompressed', is no option here
+            raise NonFiniteGradientError(f"the pseudo-gradient (global minus local parameters) of fragment {fragment.index}, "
+                                         f"synced after inner step {step}, is not finite: "
+                                         f"{str(error).partition('; pass nonfinite')[0]}") from None
+        finally:
+            self.comm.end_step()
+
+    @torch.no_grad()
+    def _apply(self, sync: _Sync) -> None:
+        """The outer Nesterov step on the fragment's global copy (torch.optim.SGD's arithmetic), then the
+        local parameters from it."""
+        sync.done.result()  # the sync thread's error, the same on every rank
+        fragment, config = sync.fragment, self.config
+        average = fragment.delta
+        fragment.momentum.mul_(config.outer_momentum).add_(average)
+        update = average.add_(fragment.momentum, alpha=config.outer_momentum) if config.nesterov else fragment.momentum
+        fragment.global_.sub_(update, alpha=config.outer_lr)
+        if config.mix:  # the scratch, free again, holds the mix in fp32
+            torch._foreach_copy_(fragment.delta_views, fragment.params)
+            fragment.delta.lerp_(fragment.global_, 1.0 - config.mix)
+            torch._foreach_copy_(fragment.params, fragment.delta_views)
+        else:
+            torch._foreach_copy_(fragment.params, fragment.global_views)
+
+    def _settle(self) -> None:
+        """Wait until no collective is on the sync thread; raise a failed one's error (the same on every rank)."""
+        concurrent.futures.wait([sync.done for sync in self._pending])
+        for sync in self._pending:
+            sync.done.result()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything every rank needs to resume bit for bit (collective: call it on every rank at the same step).
+
+        Holds the global parameters, the outer momentum, the step, the averages still to apply, the
+        codec state and, per rank, its local parameters and inner optimizer state: save rank 0's alone
+        and load it on every rank, in place of saving the model and the inner optimizer. Tensors,
+        numbers, strings, lists and dicts only: read it with torch.load(path, weights_only=True).
+        """
+        self._settle()
+        local = {"params": {n: p.detach().cpu().clone() for f in self.fragments for n, p in zip(f.names, f.params)},
+                 "optimizer": _to_cpu(self.optimizer.state_dict())}
+        ranks = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(ranks, local, group=self.process_group)
+        return {"format": FORMAT, "config": self.config.describe(), "world_size": len(ranks), "step": self.inner_steps,
+                "global": self._by_name("global_"), "momentum": self._by_name("momentum"),
+                "pending": [{"fragment": s.fragment.index, "due": s.due, "average": s.fragment.delta.cpu().clone()}
+                            for s in self._pending],
+                "comm": self.comm.state_dict(), "local": ranks}
+
+    def _by_name(self, flat: str) -> dict[str, torch.Tensor]:
+        """Each fragment's flat ``flat`` buffer (global_ or momentum) per parameter name, on the CPU."""
+        return {n: v.cpu().clone() for f in self.fragments for n, v in zip(f.names, _views(getattr(f, flat), f.params))}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from what `state_dict()` returned (on any rank): every rank loads the same object.
+
+        ValueError for a state of another config, world size or model, or one that is malformed.
+        Averages on the wire when it is called are dropped.
+        """
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        shapes = {n: tuple(p.shape) for f in self.fragments for n, p in zip(f.names, f.params)}
+        _check_state(state, self.config.describe(), world, shapes, [f.global_.numel() for f in self.fragments])
+        concurrent.futures.wait([sync.done for sync in self._pending])  # the sync thread idle, then the codec state
+        self.comm.load_state_dict(state["comm"])  # which checks its part
+        self._pending.clear()
+        local = state["local"][rank]
+        with torch.no_grad():
+            for fragment in self.fragments:
+                for name, param, global_, momentum in zip(fragment.names, fragment.params, fragment.global_views,
+                                                          _views(fragment.momentum, fragment.params)):
+                    global_.copy_(state["global"][name])
+                    momentum.copy_(state["momentum"][name])
+                    param.copy_(local["params"][name])
+            for entry in state["pending"]:
+                fragment = self.fragments[entry["fragment"]]
+                fragment.delta.copy_(entry["average"])
+                done = concurrent.futures.Future()
+                done.set_result(None)
+                self._pending.append(_Sync(fragment, entry["due"], done))
+        self.optimizer.load_state_dict(local["optimizer"])
+        self.inner_steps = state["step"]
+
+    def close(self) -> None:
+        """Wait for the sync thread's collectives, then stop it; averages not yet applied are dropped (call
+        `wait()` first to apply them). Call before destroying the process group."""
+        self._executor.shutdown(wait=True)
+        self.comm.close()
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig | None = None, *,
+         process_group: dist.ProcessGroup | None = None, **options) -> SyncOptimizer:
+    """DiLoCo outer steps around ``optimizer`` (which steps ``model``'s parameters); returns the SyncOptimizer.
+
+    ``config``: a SyncConfig; ``options``: its fields as keywords, alone or overriding ``config``'s
+    (wrap(model, opt, period=32, bits=4)). Collective over ``process_group`` (default: the default
+    group): every rank gets rank 0's parameters, and PlanMismatchError is raised on every rank when
+    the ranks' configs or models differ. The syncs then run on a process group of their own (or on
+    ``process_group``, which must then carry nothing else while training runs).
+    """
+    config = dataclasses.replace(config or SyncConfig(), **options) if options else (config or SyncConfig())
+    return SyncOptimizer(model, optimizer, config, process_group)
+
+
+def _split(named: list, parts: int) -> list[list]:
+    """``parts`` contiguous, non-empty groups of the parameters, of near-equal total size."""
+    ends = list(itertools.accumulate(p.numel() for _, p in named))
+    cuts = [0]
+    for f in range(1, parts):
+        cut = bisect.bisect_left(ends, ends[-1] * f / parts) + 1  # group f-1 ends with the parameter that reaches f/parts
+        cuts.append(min(max(cut, cuts[-1] + 1), len(named) - (parts - f)))
+    cuts.append(len(named))
+    return [named[start:end] for start, end in zip(cuts, cuts[1:])]
+
+
+def _signature(named) -> str:
+    """The trainable parameters' names and shapes, short enough to show in a mismatch error."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+    return f"{len(named)} parameters, {sum(p.numel() for _, p in named)} elements, crc32 {zlib.crc32(text.encode()):08x}"
+
+
+def _check_state(state, config: dict, world_size: int, shapes: dict[str, tuple], sizes: list[int]) -> None:
+    """ValueError unless ``state`` is a well-formed sync state of ``config`` at ``world_size`` for parameters of
+    ``shapes`` in fragments of ``sizes`` elements (the codec state is checked by CommState.load_state_dict)."""
+    check_saved(state, FORMAT, config, "sync")
+    if state.get("world_size") != world_size:
+        raise ValueError(f"the checkpoint holds the sync state of {state.get('world_size')!r} ranks, this run has "
+                         f"{world_size}: each rank's local parameters and inner optimizer state are its own")
+    step, local, pending = state.get("step"), state.get("local"), state.get("pending")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the sync state's step must be an integer >= 0, got {step!r}")
+    _check_params("global", state.get("global"), shapes)
+    _check_params("momentum", state.get("momentum"), shapes)
+    if not (isinstance(local, list) and len(local) == world_size
+            and all(isinstance(r, dict) and isinstance(r.get("optimizer"), dict) for r in local)):
+        raise ValueError(f"the sync state is malformed: local needs, for each of its {world_size} ranks, params and "
+                         "optimizer (a dict)")
+    for rank, entry in enumerate(local):
+        _check_params(f"local[{rank}] params", entry.get("params"), shapes)
+    if not (isinstance(pending, list) and all(
+            isinstance(e, dict) and type(e.get("fragment")) is int and 0 <= e["fragment"] < len(sizes) and isinstance(e.get("due"), int)
+            and e["due"] > step and isinstance(e.get("average"), torch.Tensor)
+            and e["average"].numel() == sizes[e["fragment"]] for e in pending)):
+        raise ValueError("the sync state is malformed: pending needs, per average on the wire, its fragment, the step "
+                         "it is due after (later than step) and the average (the fragment's size)")
+
+
+def _check_params(what: str, tensors, shapes: dict[str, tuple]) -> None:
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items())):
+        raise ValueError(f"the sync state is malformed: its {what} must map parameter names to tensors")
+    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"the sync state is another model's: its {what} lacks this model's parameters {missing[:5]} "
+                         f"and holds parameters this model does not have {unexpected[:5]}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"the sync state is another model's: parameter {name} has shape {tuple(tensors[name].shape)} "
+                             f"in its {what}, {shape} in this model")
+
+
+def _thread_start(threads: int, device: torch.device) -> None:
+    """The sync thread keeps the caller's intra-op thread count (OpenMP's is per thread) and CUDA device."""
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
