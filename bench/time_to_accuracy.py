@@ -76,6 +76,10 @@ CONTESTANTS = {
     "lowrank-r4-gqsgd8": ("netgain", "lowrank", {"rank": 4, "factors": "gqsgd", "bits": 8}),
     "lowrank-r4-fp32-w0": ("netgain", "lowrank", {"rank": 4, "factors": "fp32", "warmup_steps": 0}),
     "kimad+": ("netgain", "kimad+", {}),
+    # netgain.sync (DiLoCo): no DDP, each worker steps alone and syncs every `period` steps, one step overlapped
+    "sync-h4-b8": ("sync", {"period": 4, "bits": 8, "overlap_steps": 1}),
+    "sync-h8-b4": ("sync", {"period": 8, "bits": 4, "overlap_steps": 1}),
+    "sync-h16-b4": ("sync", {"period": 16, "bits": 4, "fragments": 2, "overlap_steps": 1}),
     "kimad": ("netgain", "kimad", {}),
     "auto": ("netgain", "auto", {}),
 }
@@ -163,9 +167,16 @@ def worker(args) -> None:
         torch.manual_seed(seed if args.seed_per_round else 0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         numel = sum(p.numel() for p in model.parameters())
-        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-        state = register(ddp, CONTESTANTS[label])
+        spec = CONTESTANTS[label]
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if spec is not None and spec[0] == "sync":  # the model alone: its outer steps sync it
+            import netgain.sync
+
+            ddp, state = model, netgain.sync.wrap(model, optimizer, **spec[1])
+            synced = 0
+        else:
+            ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+            state = register(ddp, spec)
         train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in range(steps):
@@ -173,11 +184,15 @@ def worker(args) -> None:
             dist.barrier()
             start = time.perf_counter()
             ddp(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
+            (state if spec is not None and spec[0] == "sync" else optimizer).step()
             optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
             train_s += step_times[-1]
-            wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
+            if spec is not None and spec[0] == "sync":  # the syncs completed since the last step
+                wire.append(sum(h["wire_bytes"] for h in state.comm.history[synced:]))
+                synced = len(state.comm.history)
+            else:
+                wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
             if eval_every and (step + 1) % eval_every == 0:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
@@ -335,7 +350,7 @@ def codec_name(label: str) -> str:
     spec = CONTESTANTS[label]
     if spec is None:
         return "none"
-    if spec[0] != "netgain":
+    if spec[0] != "netgain":  # PyTorch's hooks, netgain.sync
         return ""
     try:
         return comm.make_codec(spec[1], **spec[2]).describe()  # a profile is named by its codec's describe()
