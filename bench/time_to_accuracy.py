@@ -80,6 +80,11 @@ CONTESTANTS = {
     "sync-h4-b8": ("sync", {"period": 4, "bits": 8, "overlap_steps": 1}),
     "sync-h8-b4": ("sync", {"period": 8, "bits": 4, "overlap_steps": 1}),
     "sync-h16-b4": ("sync", {"period": 16, "bits": 4, "fragments": 2, "overlap_steps": 1}),
+    # outer lr 1 without momentum: periodic averaging (PyTorch's PostLocalSGD), coded
+    "sync-h4-b8-avg": ("sync", {"period": 4, "bits": 8, "overlap_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                "nesterov": False}),
+    "sync-h8-b4-avg": ("sync", {"period": 8, "bits": 4, "overlap_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                "nesterov": False}),
     "kimad": ("netgain", "kimad", {}),
     "auto": ("netgain", "auto", {}),
 }
