@@ -514,10 +514,11 @@ def test_a_step_after_low_rank_sends_what_low_rank_left_behind(later):
     assert relative < (1e-6 if isinstance(later, NoCompression) else 0.02), relative
 
 
-def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0), compute_s=None, warmed=True):
+def one_bucket_auto(bandwidth, costs=None, relative=(0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0), compute_s=None,
+                    warmed=True):
     """auto's options (none, bf16, fp16, gqsgd 8 and 4, low rank r4 with fp32 and 8-bit factors) for one bucket of a
     1000 x 1000 matrix at `bandwidth` B/s, each codec charged costs[its description, else its name] seconds
-    per element, solved; warmed: every option has run on the bucket (no compile ahead of any)."""
+    per element, not yet solved; warmed: every option has run on the bucket (no compile ahead of any)."""
     planner = comm.AutoConfig().build()
     planner._warmed = {(0, option) for option in range(len(planner.options))} if warmed else set()
     planner.monitor.update(bandwidth, 0.0, 0.0)
@@ -526,6 +527,12 @@ def auto_planner(bandwidth, costs=None, relative=(0.0, 1e-6, 1e-7, 0.001, 0.005,
                             for o in planner.options]
     planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
     planner.errors[0] = planner.relative[0] = list(relative)
+    return planner
+
+
+def auto_planner(*args, **kwargs):
+    """one_bucket_auto's plan, solved: each bucket's codec description."""
+    planner = one_bucket_auto(*args, **kwargs)
     planner._solve(2)
     return [codec.describe() for _, codec in planner.plan.values()]
 
@@ -584,13 +591,7 @@ def test_auto_tries_the_plans_priced_near_the_best_and_keeps_the_fastest_measure
     rank with fp32 factors is priced cheapest, 8-bit factors and gqsgd 4-bit within TRIAL_RANGE, bf16 beyond it:
     each of the three runs TRIAL_STEPS and is priced by its median step x its steps; the cheapest measured stays,
     and bf16 never runs (every option has run on the bucket: none waits for a compile)."""
-    planner = comm.AutoConfig().build()
-    planner._warmed = {(0, option) for option in range(len(planner.options))}
-    planner.monitor.update(6.25e6, 0.0, 0.0)
-    planner._compute.append(0.12)
-    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
-    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0]
+    planner = one_bucket_auto(6.25e6, compute_s=0.12)
 
     def run(step_s):
         """TRIAL_STEPS steps of the plan; then re-plan, as end_step does when the plan has its price."""
@@ -625,12 +626,7 @@ def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
     from netgain.comm.fused import Segments, name_key
 
     gigabit = {"bf16": 2e-8, "gqsgd": 1e-9, "lowrank": 1e-7}  # bf16's cast dear: gqsgd 4-bit far cheapest
-    planner = comm.AutoConfig().build()
-    planner.monitor.update(125e6, 0.0, 0.0)
-    planner._profiles[2] = [dataclasses.replace(codec_profile(o, 2, cost="free"), encode_s_per_elem=gigabit.get(
-        o.describe(), gigabit.get(o.name, 0.0))) for o in planner.options]
-    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 1e-7, 0.001, 0.005, 1.0, 1.0]
+    planner = one_bucket_auto(125e6, gigabit, warmed=False)
     planner._solve(2)
     assert not planner.warm and "gqsgd" not in planner.plan[0][1].describe()  # no compute measured yet
     planner._compute.append(0.05)
@@ -742,13 +738,7 @@ def test_auto_sends_every_gradient_through_its_switches_of_plan():
 def test_measured_prices_within_the_tie_go_to_the_plan_taking_fewer_steps():
     """Low rank measured 0.13 s a step (x 1.15 steps: 0.1495) against fp16's 0.150 s: a tie within TIE, which fp16
     wins, its steps certain; at 0.12 s low rank is cheaper beyond the tie and wins."""
-    planner = comm.AutoConfig().build()
-    planner._warmed = {(0, option) for option in range(len(planner.options))}
-    planner.monitor.update(125e6, 0.0, 0.0)
-    planner._compute.append(0.1)
-    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
-    planner._numels[0], planner._shapes[0] = 1_000_000, [(1000, 1000)]
-    planner.errors[0] = planner.relative[0] = [0.0, 1e-6, 1e-7, 0.02, 0.05, 1.0, 1.0]  # gqsgd unsafe
+    planner = one_bucket_auto(125e6, relative=(0.0, 1e-6, 1e-7, 0.02, 0.05, 1.0, 1.0), compute_s=0.1)  # gqsgd unsafe
     names = [o.describe() for o in planner.options]
     for lowrank_s, expected in ((0.13, "fp16"), (0.12, "lowrank(rank=4,factors=fp32)")):
         planner._periods = {((0, 1_000_000, k),): 1.0 for k in range(len(names))}  # every plan measured, dear

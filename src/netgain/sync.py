@@ -387,13 +387,9 @@ def _signature(named) -> str:
 def _check_state(state, config: dict, world_size: int, shapes: dict[str, tuple], sizes: list[int]) -> None:
     """ValueError unless ``state`` is a well-formed sync state of ``config`` at ``world_size`` for parameters of
     ``shapes`` in fragments of ``sizes`` elements (the codec state is checked by CommState.load_state_dict)."""
-    check_saved(state, FORMAT, config, "sync")
-    if state.get("world_size") != world_size:
-        raise ValueError(f"the checkpoint holds the sync state of {state.get('world_size')!r} ranks, this run has "
-                         f"{world_size}: each rank's local parameters and inner optimizer state are its own")
-    step, local, pending = state.get("step"), state.get("local"), state.get("pending")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"the sync state's step must be an integer >= 0, got {step!r}")
+    check_saved(state, FORMAT, config, "sync", world_size,
+                "each rank's local parameters and inner optimizer state are its own")
+    step, local, pending = state["step"], state.get("local"), state.get("pending")
     _check_params("global", state.get("global"), shapes)
     _check_params("momentum", state.get("momentum"), shapes)
     if not (isinstance(local, list) and len(local) == world_size

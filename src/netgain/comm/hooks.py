@@ -289,8 +289,9 @@ def check_same_config(config: CommConfig, group: dist.ProcessGroup | None) -> No
                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
 
 
-def check_saved(state, fmt: str, config: dict, what: str) -> None:
-    """ValueError unless ``state`` is a dict of format ``fmt`` saved under ``config`` (what: "comm", "sync")."""
+def check_saved(state, fmt: str, config: dict, what: str, world_size: int, per_rank: str) -> None:
+    """ValueError unless ``state`` is a dict of format ``fmt`` saved under ``config`` by ``world_size`` ranks at a
+    step >= 0 (what: "comm", "sync"; per_rank: why another world size cannot load it)."""
     if not isinstance(state, dict) or state.get("format") != fmt:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"not a netgain {what} state of format {fmt!r} (got {found!r})")
@@ -299,18 +300,19 @@ def check_saved(state, fmt: str, config: dict, what: str) -> None:
         differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
         raise ValueError(f"the checkpoint's {what} config differs in {differ}: saved {state.get('config')}, "
                          f"this run {config}")
+    if state.get("world_size") != world_size:
+        raise ValueError(f"the checkpoint holds the {what} state of {state.get('world_size')!r} ranks, "
+                         f"this run has {world_size}: {per_rank}")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the {what} state's step must be an integer >= 0, got {step!r}")
 
 
 def check_state(state, config: dict, world_size: int, names: set[str]) -> None:
     """ValueError unless ``state`` is a well-formed comm state of ``config`` at ``world_size`` for the parameters
     ``names`` (empty: not known, as for a CommState built without param_names)."""
-    check_saved(state, FORMAT, config, "comm")
-    if state.get("world_size") != world_size:
-        raise ValueError(f"the checkpoint holds the comm state of {state.get('world_size')!r} ranks, "
-                         f"this run has {world_size}: EF21 buffers are per rank")
-    step, local, shared = state.get("step"), state.get("local"), state.get("shared")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"the comm state's step must be an integer >= 0, got {step!r}")
+    check_saved(state, FORMAT, config, "comm", world_size, "EF21 buffers are per rank")
+    local, shared = state.get("local"), state.get("shared")
     if not (isinstance(local, list) and len(local) == world_size and all(map(_tensors, local)) and _tensors(shared)
             and all(set(ranks) == set(shared) for ranks in local) and isinstance(state.get("chooser"), dict)):
         raise ValueError("the comm state is malformed: it needs local (per rank, parameter name -> tensor), shared "
