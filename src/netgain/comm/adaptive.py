@@ -106,7 +106,8 @@ MAX_ERROR = 0.01
 # fp16 is admissible for a bucket only while its measured max |g| stays below this: 65504 / 1024, so its gradients
 # may grow 1000x between two measurements before the cast overflows (an overflow raises NonFiniteGradientError).
 # Where it is, fp16 keeps 3 more mantissa bits than bf16, and x86 CPUs cast it in hardware (F16C): on the lab at
-# 1 Gbit/s, 3 workers, a fixed fp16 step took 0.131 s against bf16's 0.137 s (PyTorch's fp16 hook 0.128 s)
+# 1 Gbit/s, 3 workers, a fixed fp16 step took 0.131 s against bf16's 0.137 s (PyTorch's fp16 hook 0.128 s; 3 rounds
+# interleaved, begun at a load average of 2: an indication)
 FP16_PEAK = 64.0
 TOPK_RATIOS = (0.001, 0.01, 0.1)
 LOWRANK_FACTOR_BITS = 8
