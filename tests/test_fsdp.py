@@ -47,21 +47,27 @@ def _loss(model, rank, step=0):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _reference(rank, world):
-    """This rank's shard of the mean gradient, and the per-parameter max |shard mean| over replicas."""
+def _by_replica(rank, world, step=0):
+    """Per parameter, each replica's sum of its ranks' full local gradients (FSDP's SUM order), cut to this
+    rank's shard."""
     plain = _model()
-    _loss(plain, rank).backward()
+    _loss(plain, rank, step).backward()
     out = {}
     for name, p in plain.named_parameters():
         grads = [torch.empty_like(p.grad) for _ in range(world)]
         dist.all_gather(grads, p.grad)
-        by_replica = [grads[r * SHARDS] + grads[r * SHARDS + 1] for r in range(REPLICAS)]  # FSDP's SUM order
-        shard = rank % SHARDS
-        rows = -(-p.shape[0] // SHARDS)
-        cut = lambda t: t[shard * rows:(shard + 1) * rows]  # noqa: E731
-        mean = cut((by_replica[0] + by_replica[1]) / (REPLICAS * SHARDS))
-        scale = max(float(cut(b / SHARDS).abs().max()) for b in by_replica)
-        out[name] = (mean, scale)
+        shard, rows = rank % SHARDS, -(-p.shape[0] // SHARDS)
+        out[name] = [(grads[r * SHARDS] + grads[r * SHARDS + 1])[shard * rows:(shard + 1) * rows]
+                     for r in range(REPLICAS)]
+    return out
+
+
+def _reference(rank, world):
+    """This rank's shard of the mean gradient, and the per-parameter max |shard mean| over replicas."""
+    out = {}
+    for name, (first, second) in _by_replica(rank, world).items():
+        scale = max(float((b / SHARDS).abs().max()) for b in (first, second))
+        out[name] = ((first + second) / (REPLICAS * SHARDS), scale)
     return out
 
 
@@ -184,54 +190,225 @@ def _train(model, optimizer, rank, steps, first):
         optimizer.zero_grad(set_to_none=True)
 
 
+RESUMED = {"gqsgd": ("GlobalQSGDConfig", {"bits": 4}), "lowrank": ("LowRankConfig", {"rank": 2}),
+           "topk": ("TopKConfig", {"ratio": 0.1})}
+
+
 def _resume(rank, world, folder):
-    """k steps, a DCP checkpoint, k more; then a fresh model resumed from the checkpoint runs the same k."""
+    """Per codec: k steps, a DCP checkpoint, k more; then a fresh model resumed from the checkpoint runs the
+    same k. Then low rank's checkpoint loaded onto 1 x 4 and 4 x 1 meshes, and one with a crafted header."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    import netgain.comm as comm
     import netgain.comm.fsdp as fsdp
-    from netgain.comm import GlobalQSGDConfig
 
     mesh = _mesh()
 
-    def fresh():
-        model = _shard(_model(), mesh)
+    def fresh(codec, mesh=mesh, model=None):
+        model = _shard(model or _model(), mesh)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        return model, optimizer, fsdp.register(model, mesh, GlobalQSGDConfig(bits=4), min_compress_numel=0)
+        name, options = codec
+        return model, optimizer, fsdp.register(model, mesh, getattr(comm, name)(**options), min_compress_numel=0)
 
-    model, optimizer, state = fresh()
-    _train(model, optimizer, rank, 3, 0)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "comm": state}, checkpoint_id=folder)
-    _train(model, optimizer, rank, 3, 3)
-    continued = _params(model)
+    def refusal(state, path):
+        try:
+            fsdp.load_checkpoint({"comm": state}, f"{folder}/{path}")
+            return "loaded"
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
 
-    model, optimizer, state = fresh()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    checkpoint = {"model": model_sd, "optim": optim_sd, "comm": state}
-    dcp.load(checkpoint, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optim"])
-    assert state.step == 3
-    _train(model, optimizer, rank, 3, 3)
-    resumed = _params(model)
-    return all(torch.equal(continued[n], resumed[n]) for n in continued), state.step
+    results = {}
+    for label in RESUMED:
+        path = f"{folder}/{label}"
+        model, optimizer, state = fresh(RESUMED[label])
+        _train(model, optimizer, rank, 3, 0)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "comm": state}, checkpoint_id=path)
+        _train(model, optimizer, rank, 3, 3)
+        continued = _params(model)
+
+        model, optimizer, state = fresh(RESUMED[label])
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        checkpoint = {"model": model_sd, "optim": optim_sd, "comm": state}
+        if label == "gqsgd":  # DCP's own load works too; load_checkpoint reads data only, the header first
+            dcp.load(checkpoint, checkpoint_id=path)
+        else:
+            fsdp.load_checkpoint(checkpoint, path)
+        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optim"])
+        assert state.step == 3
+        _train(model, optimizer, rank, 3, 3)
+        resumed = _params(model)
+        results[label] = (all(torch.equal(continued[n], resumed[n]) for n in continued), state.step)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    for shape in ((1, REPLICAS * SHARDS), (REPLICAS * SHARDS, 1)):
+        other = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        results[shape] = refusal(fresh(RESUMED["lowrank"], other)[2], "lowrank")
+    results["rank 3"] = refusal(fresh(("LowRankConfig", {"rank": 3}))[2], "lowrank")
+    results["from gqsgd"] = refusal(fresh(RESUMED["lowrank"])[2], "gqsgd")
+    larger = torch.nn.Sequential(*_model(), torch.nn.Linear(4, 4))
+    results["other model"] = refusal(fresh(RESUMED["lowrank"], model=larger)[2], "lowrank")
+
+    marker = f"{folder}/code-ran"
+    dcp.save({"comm": {"header": _RunsCode(marker)}}, checkpoint_id=f"{folder}/crafted")
+    results["crafted"] = refusal(fresh(RESUMED["lowrank"])[2], "crafted")
+    import os
+    results["code ran"] = os.path.exists(marker)
+    return results
 
 
 def _params(model):
     return {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
 
 
-def test_dcp_checkpoint_resumes_bit_for_bit(tmp_path):
-    results = run(_resume, REPLICAS * SHARDS, str(tmp_path / "checkpoint"), timeout=120)
-    assert results == [("ok", (True, 6))] * 4, results
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    results = run(_resume, REPLICAS * SHARDS, str(tmp_path_factory.mktemp("checkpoints")), timeout=150)
+    assert all(status == "ok" for status, _ in results), results
+    return [value for _, value in results]
+
+
+@pytest.mark.parametrize("label", RESUMED)
+def test_dcp_checkpoint_resumes_bit_for_bit(resumed, label):
+    """gqsgd keeps only its step; low rank its residual and warm start, top-k its EF21 g_i and g."""
+    assert [rank[label] for rank in resumed] == [(True, 6)] * 4
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1)])
+def test_a_checkpoint_loads_onto_its_own_mesh_only(resumed, shape):
+    for rank in resumed:
+        assert rank[shape].startswith("ValueError: the checkpoint's comm state does not fit this mesh: it was saved "
+                                      f"on a 2 x 2 (replicate x shard) mesh, this run's is {shape[0]} x {shape[1]}")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rank 3", "ValueError: the checkpoint's comm config differs in ['codec']"),
+    ("from gqsgd", "ValueError: the checkpoint's comm config differs in ['codec', 'codec_type', 'warmup_steps']"),
+    ("other model", "ValueError: the checkpoint's comm state is another model's: its trainable parameters differ "
+                    "from this model's in ['5.weight', '5.bias']"),
+])
+def test_a_checkpoint_of_another_config_or_model_is_named(resumed, case, message):
+    """Named from the header, before DCP would meet tensors of another size (or none)."""
+    for rank in resumed:
+        assert rank[case].startswith(message), rank[case]
+
+
+def test_a_crafted_comm_header_runs_no_code(resumed):
+    """load_checkpoint reads the comm state's header before anything else: as data only too."""
+    for rank in resumed:
+        assert rank["crafted"].startswith("UnpicklingError: checkpoint ") and "refused" in rank["crafted"]
+        assert not rank["code ran"]
+
+
+LOWRANK_STEPS = 3
+
+
+def _powersgd(replicas, warm_t):
+    """PowerSGD's arithmetic for one shard matrix: the replicas' M_i (error feedback added) and the warm start
+    Q^T -> the mean's rank-r approximation P Q^T and the next warm start."""
+    p = sum(m @ warm_t.T for m in replicas) / len(replicas)
+    basis = torch.linalg.qr(p).Q
+    q = sum(m.T @ basis for m in replicas) / len(replicas)
+    return basis @ q.T, q.T
+
+
+def _lowrank(rank, world):
+    """Low rank (fp32 factors) on each shard across replicas against _powersgd, step by step; EF21's top-k
+    and random-k at ratio 1 against the mean; NaN on rank 3 and a different codec on rank 3."""
+    import netgain.comm.fsdp as fsdp
+    from netgain.comm import GlobalQSGDConfig, LowRankConfig, PlanMismatchError, RandomKConfig, TopKConfig
+    from netgain.comm.lowrank import LowRank
+    from netgain.cost.network import as_matrix
+
+    mesh = _mesh()
+    results = {}
+    try:
+        fsdp.register(_shard(_model(), mesh), mesh, GlobalQSGDConfig() if rank == 3 else LowRankConfig())
+    except PlanMismatchError as error:
+        results["mismatch"] = type(error).__name__
+
+    codec = LowRank(rank=4, factors="fp32")
+    model = _shard(_model(), mesh)
+    fsdp.register(model, mesh, LowRankConfig(rank=4, factors="fp32"), warmup_steps=0, min_compress_numel=0)
+    residuals, warm, errors, gaps = {}, {}, [], []
+    for step in range(LOWRANK_STEPS):
+        _loss(model, rank, step).backward()
+        grads = _grads(model)
+        model.zero_grad(set_to_none=True)
+        for name, replicas in _by_replica(rank, world, step).items():
+            ms = [b / SHARDS + residuals.get((name, r), 0) for r, b in enumerate(replicas)]
+            rows, cols = as_matrix(ms[0].shape)
+            if rows and codec.compresses(rows, cols):
+                if name not in warm:
+                    warm[name] = torch.empty(codec.rank * cols)
+                    codec.fill_shared(name, warm[name])
+                approx, warm[name] = _powersgd(ms, warm[name].view(codec.rank, cols))
+                residuals.update({(name, r): m - approx for r, m in enumerate(ms)})
+                gaps.append(float((approx - sum(ms) / REPLICAS).abs().max() / approx.abs().max()))
+            else:
+                approx = sum(ms) / REPLICAS
+            errors.append(float((grads[name] - approx).abs().max() / approx.abs().max()))
+    results["lowrank error"], results["lowrank gap"] = max(errors), min(gaps)
+
+    for config in (TopKConfig(ratio=1.0), RandomKConfig(ratio=1.0)):
+        model = _shard(_model(), mesh)
+        fsdp.register(model, mesh, config, min_compress_numel=0)
+        _loss(model, rank).backward()
+        results[type(config).__name__] = _grads(model)
+    results["reference"] = _reference(rank, world)
+
+    for factors in ("gqsgd", "fp32"):
+        model = _shard(_model(), mesh)
+        fsdp.register(model, mesh, LowRankConfig(factors=factors), warmup_steps=0)
+        x, y = _batch(rank)
+        if rank == 3:
+            x[0, 0] = float("nan")
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            results[f"nan {factors}"] = "no error"
+        except Exception as error:
+            results[f"nan {factors}"] = type(error).__name__
+    return results
+
+
+@pytest.fixture(scope="module")
+def lowrank():
+    results = run(_lowrank, REPLICAS * SHARDS, timeout=150)
+    assert all(status == "ok" for status, _ in results), results
+    return [value for _, value in results]
+
+
+def test_lowrank_on_each_shard_is_powersgd_across_replicas(lowrank):
+    """Error feedback and warm start included, to float rounding; far from the exact mean (it does compress)."""
+    for rank in lowrank:
+        assert rank["lowrank error"] < 1e-5, rank["lowrank error"]
+        assert rank["lowrank gap"] > 1e-2, rank["lowrank gap"]
+
+
+@pytest.mark.parametrize("config", ["TopKConfig", "RandomKConfig"])
+def test_ef21_at_ratio_1_is_the_mean(lowrank, config):
+    """Every coordinate sent: g_i and g start at 0, so the first step's g is the mean (random-k's to its
+    fixed point)."""
+    for rank in lowrank:
+        for name, (mean, scale) in rank["reference"].items():
+            assert (rank[config][name] - mean).abs().max() <= 1e-6 * scale, name
+
+
+def test_lowrank_nan_and_plan_mismatch_raise_on_every_rank(lowrank):
+    for factors in ("gqsgd", "fp32"):
+        assert [rank[f"nan {factors}"] for rank in lowrank] == ["NonFiniteGradientError"] * 4
+    assert [rank["mismatch"] for rank in lowrank] == ["PlanMismatchError"] * 4
 
 
 def test_register_explains_what_it_needs():
     import netgain.comm.fsdp as fsdp
     with pytest.raises(TypeError, match="fully_shard"):
         fsdp.register(torch.nn.Linear(2, 2), None)
-    with pytest.raises(ValueError, match="EF21"):
-        fsdp.register(torch.nn.Linear(2, 2), None, "topk")
+    for planned in ("auto", "kimad"):
+        with pytest.raises(ValueError, match="config: netgain.comm.fsdp runs a fixed codec .*lowrank.*, got .*"
+                                             "planning is not supported under FSDP yet"):
+            fsdp.register(torch.nn.Linear(2, 2), None, planned)
 
 
 class _RunsCode:

@@ -38,7 +38,7 @@ def _model_tensors(folder, tmp_path):
     saved = tmp_path / f"{folder.name}.pt"
     dcp_to_torch_save(folder, saved)
     checkpoint = torch.load(saved, weights_only=False)  # this test's own files
-    return checkpoint["model"], checkpoint["comm"]["step"]
+    return checkpoint["model"], json.loads(checkpoint["comm"]["header"])["step"]
 
 
 def test_lm_checkpoint_resumes_bit_for_bit(tmp_path):

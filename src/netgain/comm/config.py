@@ -176,8 +176,8 @@ class AutoConfig:
 CodecConfig = Union[NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig,
                     TopKConfig, RandomKConfig, LowRankConfig, KimadConfig, AutoConfig]
 PLANNED_CONFIGS = (KimadConfig, AutoConfig)
-# codecs without per-rank state: what runs where that state would have to be sharded (FSDP) or kept per fragment
-# (netgain.sync); EF21 (topk, randomk), low rank's memory and the planners' measurements are per rank
+# codecs without per-rank state: what runs where that state would have to be kept per fragment (netgain.sync);
+# EF21 (topk, randomk), low rank's memory and the planners' measurements are per rank
 STATELESS_CONFIGS = (NoCompressionConfig, CastConfig, QSGDConfig, GlobalQSGDConfig, GlobalQSGDExpConfig)
 CODEC_CONFIGS = {"auto": AutoConfig, "none": NoCompressionConfig, "fp16": CastConfig, "bf16": CastConfig, "qsgd": QSGDConfig,
                  "gqsgd": GlobalQSGDConfig, "gqsgd-exp": GlobalQSGDExpConfig, "topk": TopKConfig,

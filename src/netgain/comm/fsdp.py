@@ -18,26 +18,35 @@ The group's flat output is one bucket of the DDP pipeline (bucket.py): the same 
 (global per-parameter scales, the non-finite flag and the plan signature in one allreduce MAX),
 codecs, errors raised on every rank and per-step statistics. The hook runs synchronously inside
 FSDP's post-backward: FSDP reads the gradients right after it returns.
+
+FSDP2 shards each parameter on one dimension, so this rank's padded shard of a weight is itself a
+matrix, the same shard on every replica: low rank runs on it across the replicas, its residual
+this rank's own and its warm start the shard's, as under DDP; EF21 (top-k, random-k) likewise.
+The state checkpoints through DCP as DTensors over the mesh (`FSDPCommState.state_dict`).
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .config import CODEC_CONFIGS, STATELESS_CONFIGS, CommConfig, comm_config
+from .config import CODEC_CONFIGS, PLANNED_CONFIGS, CommConfig, comm_config
+from .feedback import EF21, LowRankMemory
 from .fused import Segments, name_key
-from .hooks import CommState
+from .hooks import CommState, check_saved
 from .store import BucketLayout
 
 REPLICATE, SHARD = "replicate", "shard"
-CONFIGS = STATELESS_CONFIGS  # EF21 (topk, randomk), low rank's memory and the planners' state would have to be sharded
+FORMAT = "netgain.comm.fsdp/1"
+# every fixed codec; auto's and Kimad's planners measure and plan per rank, which is not carried over to FSDP yet
+CONFIGS = tuple(config for config in dict.fromkeys(CODEC_CONFIGS.values()) if config not in PLANNED_CONFIGS)
 CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
 
 
@@ -46,12 +55,16 @@ class FSDPCommState(CommState):
 
     A step ends when autograd finishes the backward (a queued final callback), so `last_step`
     and `history` hold the same statistics as under DDP, with one record per FSDP group.
-    `state_dict()` holds plain values only (the codecs allowed here keep no per-rank state), so
-    it saves and loads with torch.distributed.checkpoint as a Stateful.
+
+    Each group's layout carries its parameters' padded shard shapes, so low rank runs on each shard
+    matrix across the replicas, and every codec's memory (low rank's residual and warm start, EF21's
+    g_i and g) is this rank's shard's, kept by name as under DDP. `state_dict()` is a
+    torch.distributed.checkpoint Stateful: see there.
     """
 
-    def __init__(self, config: CommConfig, *, process_group: dist.ProcessGroup, param_names: dict[int, str]):
-        super().__init__(config, process_group=process_group, param_names=param_names)
+    def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str]):
+        super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
+        self.mesh = mesh
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
         self._flat_layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._in_step = False
@@ -73,43 +86,123 @@ class FSDPCommState(CommState):
 
     def _flat_layout(self, index: int, flat: torch.Tensor) -> BucketLayout:
         """Each group's layout, built once: its parameters' padded shards tile the flat output."""
-        key = ("fsdp", flat.numel(), flat.dtype, flat.device)
+        key = (flat.numel(), flat.device)
         cached = self._flat_layouts.get(index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is None or cached[0] != key:
+            cached = self._build_layout(index, flat.device)
+            if cached[0] != key:
+                raise RuntimeError(f"FSDP group {index}: its reduce-scatter output has {flat.numel()} elements, its "
+                                   f"trainable parameters {cached[0][0]}: a parameter got no gradient this step; call "
+                                   "model.set_reduce_scatter_unused_params(True) so every rank sends the same layout")
+            self._flat_layouts[index] = cached
+        return cached[1]
+
+    def _build_layout(self, index: int, device: torch.device) -> tuple[tuple, BucketLayout]:
+        """(its key, the layout) of group ``index``'s trainable parameters. A padded shard is a row-major
+        block of the flat output, of the same shape on every rank (low rank's matrices)."""
         params = [p for p in self._groups[index] if p.sharded_param.requires_grad]
+        shapes = [tuple(p.padded_sharded_param_size) for p in params]
         sizes = [p.padded_sharded_param_size.numel() for p in params]
-        if sum(sizes) != flat.numel():
-            raise RuntimeError(f"FSDP group {index}: its reduce-scatter output has {flat.numel()} elements, its "
-                               f"trainable parameters {sum(sizes)}: a parameter got no gradient this step; call "
-                               "model.set_reduce_scatter_unused_params(True) so every rank sends the same layout")
         names = [self.name_of(p.sharded_param) for p in params]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        exact = [torch.arange(o, o + k, device=flat.device) for o, k, p in zip(offsets, sizes, params)
-                 if self.config.skip_1d and p.sharded_param.dim() <= 1]
+        exact = [torch.arange(o, o + k, device=device) for o, k, shape in zip(offsets, sizes, shapes)
+                 if self.config.skip_1d and len(shape) <= 1]
         layout = BucketLayout(names, list(zip(offsets, sizes)),
-                              Segments.build(sizes, [name_key(n) for n in names], flat.device),
-                              torch.cat(exact) if exact else None)
-        self._flat_layouts[index] = (key, layout)
-        return layout
+                              Segments.build(sizes, [name_key(n) for n in names], device),
+                              torch.cat(exact) if exact else None, shapes=shapes)
+        return (sum(sizes), device), layout
+
+    def _group_layouts(self) -> list[BucketLayout]:
+        """Every group's layout in group order, built now where no step has built it yet."""
+        for index, params in self._groups.items():
+            if index not in self._flat_layouts and any(p.sharded_param.requires_grad for p in params):
+                self._flat_layouts[index] = self._build_layout(index, params[0].sharded_param.device)
+        return [self._flat_layouts[index][1] for index in sorted(self._flat_layouts)]
+
+    def _memories(self) -> "list[EF21 | LowRankMemory]":
+        """Every group's codec memory in group order (made now, as the first step would, where none is yet);
+        none for the stateless codecs."""
+        codec = self.chooser.memory_codec
+        if codec is None:
+            return []
+        return [self.store.feedback_for(layout, layout.segments.sizes.device, codec)
+                for layout in self._group_layouts()]
+
+    # ---- checkpoints: a torch.distributed.checkpoint Stateful --------------------------------------
+    def state_dict(self) -> dict:
+        """``header``: step, config, mesh and parameter names as one JSON string (what `load_checkpoint`
+        checks before it loads a tensor). With a codec that keeps memory, ``local``: every rank's own part
+        (the error feedback), a (replicate, shard, numel) DTensor of which each rank holds its entry; and
+        ``shared``: what the replicas of a shard hold alike (low rank's warm start, EF21's g), a (shard,
+        numel) DTensor replicated over the replicas. DCP writes each piece once and loads each rank's own."""
+        state = {"header": json.dumps(self._header())}
+        memories = self._memories()
+        if memories:
+            local = torch.cat([memory.local for memory in memories]).view(1, 1, -1)
+            shared = torch.cat([memory.shared for memory in memories]).view(1, -1)
+            state["local"] = DTensor.from_local(local, self.mesh, [Shard(0), Shard(1)], run_check=False)
+            state["shared"] = DTensor.from_local(shared, self.mesh, [Replicate(), Shard(0)], run_check=False)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict()` returned (loaded in place by DCP); ValueError as `check_header`."""
+        header = self.check_header(state.get("header"))
+        memories = self._memories()
+        if memories:
+            local = state["local"].to_local().reshape(-1).split([memory.local.numel() for memory in memories])
+            shared = state["shared"].to_local().reshape(-1).split([memory.shared.numel() for memory in memories])
+            for memory, mine, ours in zip(memories, local, shared):
+                memory.local.copy_(mine)
+                memory.shared.copy_(ours)
+        self.step = header["step"]
+
+    def check_header(self, header) -> dict:
+        """The saved header as a dict, or ValueError naming what differs from this run: the format, config,
+        mesh (a state loads onto the mesh it was saved on) or parameters, or a malformed step."""
+        try:
+            saved = json.loads(header) if isinstance(header, str) else {}  # {}: no header, refused for its format
+        except ValueError:
+            saved = {}
+        mine = json.loads(json.dumps(self._header()))  # the config's tuples as JSON lists, as saved
+        where = (f"it was saved on a {_shape(saved.get('mesh') if isinstance(saved, dict) else None)} "
+                 f"({REPLICATE} x {SHARD}) mesh, this run's is {_shape(mine['mesh'])}")
+        check_saved(saved, FORMAT, mine["config"], "comm", mine["world_size"], where)
+        if saved.get("mesh") != mine["mesh"]:
+            raise ValueError(f"the checkpoint's comm state does not fit this mesh: {where}; netgain.comm.fsdp "
+                             "loads a state onto the mesh it was saved on (error feedback is per rank, warm starts "
+                             "per shard)")
+        if saved.get("names") != mine["names"]:
+            theirs = saved.get("names") if isinstance(saved.get("names"), list) else []
+            differ = [n for n in mine["names"] if n not in theirs] + [n for n in theirs if n not in mine["names"]]
+            raise ValueError(f"the checkpoint's comm state is another model's: its trainable parameters differ from "
+                             f"this model's in {differ[:5] or 'their order'}")
+        return saved
+
+    def _header(self) -> dict:
+        return {"format": FORMAT, "config": self.config.describe(), "mesh": list(self.mesh.shape),
+                "world_size": self.mesh.size(), "step": self.step,
+                "names": [name for layout in self._group_layouts() for name in layout.names]}
+
+
+def _shape(mesh) -> str:
+    return " x ".join(map(str, mesh)) if isinstance(mesh, list) else repr(mesh)
 
 
 def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "gqsgd", **options) -> FSDPCommState:
     """Run the cross-replica gradient all-reduce of ``model`` through a netgain codec; returns its state.
 
     ``model``: fully_shard-ed (root and submodules) over ``mesh["shard"]``; ``mesh``: the 2-D
-    (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register: none, fp16/bf16,
-    gqsgd (int8 or packed), qsgd, gqsgd-exp (CODECS). Collective over the default group: raises
-    PlanMismatchError on every rank when the ranks' configs differ.
+    (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register, a fixed codec (CODECS):
+    none, fp16/bf16, qsgd, gqsgd (int8 or packed), gqsgd-exp, topk, randomk, lowrank. Collective over
+    the default group: raises PlanMismatchError on every rank when the ranks' configs differ.
     """
     comm = comm_config(config, **options)
     if not isinstance(comm.codec, CONFIGS):
-        raise ValueError(f"netgain.comm.fsdp supports codecs without per-rank state ({', '.join(CODECS)}), got "
-                         f"{comm.codec.build().describe()}: EF21 and Kimad state is not sharded with FSDP yet")
+        raise ValueError(f"config: netgain.comm.fsdp runs a fixed codec ({', '.join(CODECS)}), got "
+                         f"{comm.codec.build().describe()}: auto's and Kimad's per-bucket planning is not supported "
+                         "under FSDP yet")
     _check_mesh(model, mesh)
-    group = mesh.get_group(REPLICATE)
-    state = FSDPCommState(comm, process_group=group,
-                          param_names={id(p): name for name, p in model.named_parameters()})
+    state = FSDPCommState(comm, mesh=mesh, param_names={id(p): name for name, p in model.named_parameters()})
     state.check_config(None)  # every rank of the job, not only this replicate group
     for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
         param_group = module._get_fsdp_state()._fsdp_param_group
@@ -146,10 +239,24 @@ def load_checkpoint(state_dict: dict, path) -> None:
     restriction, so a crafted checkpoint could run code; here .metadata may name DCP's metadata
     classes only and the items load with torch.load(weights_only=True). Raises pickle.UnpicklingError
     on anything else, on every rank.
+
+    The headers of the FSDPCommState values in ``state_dict`` load first: a state of another config, mesh
+    or model raises ValueError naming what differs, on every rank, before DCP meets tensors of the
+    wrong shape (whose error would name a size only).
     """
+    headers = {key: {"header": None} for key, value in state_dict.items() if isinstance(value, FSDPCommState)}
+    if headers:
+        _load(headers, path, _DataOnlyPlanner(allow_partial_load=True))  # a missing header stays None: refused
+        for key, loaded in headers.items():
+            state_dict[key].check_header(loaded["header"])
+    _load(state_dict, path, _DataOnlyPlanner())
+
+
+def _load(state_dict: dict, path, planner) -> None:
+    """dcp.load through the data-only reader; its refusals raised as pickle.UnpicklingError."""
     reader = _DataOnlyReader(path)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=_DataOnlyPlanner())
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
     except dcp.api.CheckpointException as error:  # DCP gathers every rank's failure into one exception
         refused = [e for e, _ in error.failures.values() if isinstance(e, pickle.UnpicklingError)] + reader.refused
         if not refused:
