@@ -531,7 +531,7 @@ def test_measured_steps_turn_the_recommendation_into_time_to_target():
     # unmeasured codecs are not recommended: they would look as if they converged like fp32
     faster = [r for r in rows if r.convergence in advise.CONVERGES and r.time_s < chosen.time_s / (1 + advise.DEFAULT_TOLERANCE)]
     assert faster and all(r.steps is None for r in faster)
-    table = advise.format_table(rows, chosen, sum(buckets))
+    table = advise.format_table(rows, chosen)
     assert "steps x" in table and "| - | - |" in table and "| never | 0.00x |" in table
     with pytest.raises(ValueError, match="--steps-from: none of its codecs"):  # nothing it measured is weighed here
         advise.evaluate(buckets, 2, link, 0.05, profiles, tensors=tensors, shapes=bucket_shapes, steps={"misspelt": 1.0})
@@ -557,3 +557,143 @@ def test_casts_are_eligible_sparsifiers_only_when_biased_is_allowed():
     names = {r.profile.name.split("(")[0] for r in advise.eligible(rows)}
     assert {"fp16", "bf16", "gqsgd", "lowrank", "none"} <= names and not names & {"topk", "randomk"}
     assert {"topk", "randomk"} <= {r.profile.name.split("(")[0] for r in advise.eligible(rows, biased=True)}
+
+
+# ------------------------------------------------------------------ two-level clusters (nodes of several GPUs)
+
+NVLINK, NIC = net.preset("nvlink-a100"), net.preset("25gbe")
+
+
+def test_one_node_is_the_flat_case_and_one_gpu_per_node_the_network():
+    buckets = net.even_buckets(1e8)
+    one_node = net.Cluster(1, 8, NVLINK, NIC)
+    assert one_node.flat_link() == NVLINK and one_node.world_size == 8
+    assert net.predict(buckets, 8, one_node.flat_link()) == net.predict(buckets, 8, NVLINK)
+    spread = net.Cluster(4, 1, NVLINK, NIC)
+    assert spread.flat_link() == NIC and spread.replica_link().bandwidth == NIC.bandwidth
+    # HSDP with one GPU per node shards nothing: it is DDP across the nodes
+    codec = next(p for p, _ in candidate_profiles(4, "free") if p.name == "gqsgd(bits=8,encoding=packed)")
+    hsdp, ddp = net.predict_hsdp(buckets, spread, codec, 0.5), net.predict(buckets, 4, NIC, codec, 0.5)
+    assert (hsdp.step_s, hsdp.comm_s, hsdp.payload_bytes) == pytest.approx((ddp.step_s, ddp.comm_s, ddp.payload_bytes))
+
+
+def test_ddp_across_nodes_runs_at_the_pace_of_the_nic():
+    """NCCL's ring over all ranks leaves and enters each node once: every step waits for the NIC."""
+    cluster = net.Cluster(2, 4, NVLINK, NIC)
+    link = cluster.flat_link()
+    assert (link.bandwidth, link.latency, link.algorithm) == (NIC.bandwidth, NIC.latency, "fastest")
+    assert net.ring_allreduce_s(1e8, 8, link) == pytest.approx(net.ring_allreduce_s(1e8, 8, NIC))
+    lab = net.Cluster(2, 2, net.preset("lab-1gbit"), net.preset("lab-100mbit")).flat_link()
+    assert lab.algorithm == "ring" and lab.overhead == net.preset("lab-1gbit").overhead  # the larger of the two
+    with pytest.raises(ValueError, match="gpus_per_node: must be an integer >= 1, got 0"):
+        net.Cluster(2, 0, NVLINK, NIC)
+
+
+def test_hsdp_sends_a_shard_across_nodes_through_a_shared_nic():
+    fast = net.Link("ideal", 1e15, 0.0)
+    slow = net.Link("slow", 1e9, 0.0)
+    cluster = net.Cluster(2, 4, fast, slow)
+    buckets = net.even_buckets(1e8)  # every bucket divides by 4
+    ddp = net.predict(buckets, 8, cluster.flat_link(), algorithm="ring")
+    hsdp = net.predict_hsdp(buckets, cluster, algorithm="ring")
+    assert hsdp.payload_bytes == ddp.payload_bytes / 4 and hsdp.elements == ddp.elements / 4
+    # 4 shards share the NIC: each all-reduces 1/4 of the bytes at 1/4 of its rate, 2(N-1)/N against DDP's 2(n-1)/n
+    assert hsdp.comm_s == pytest.approx(sum(net.ring_allreduce_s(4 * b, 2, slow) for b in buckets), rel=1e-4)
+    assert hsdp.comm_s / ddp.comm_s == pytest.approx((2 * 1 / 2) / (2 * 7 / 8), rel=1e-4)
+
+
+def test_hsdp_gathers_hide_behind_compute_and_the_last_reduce_scatter_does_not():
+    cluster = net.Cluster(1, 4, net.preset("pcie4"), NIC)
+    buckets = net.even_buckets(1e8)
+    moves = [net.allgather_s(4 * b / 4, 4, cluster.intra) for b in buckets]  # a reduce-scatter moves the same
+    hidden = net.predict_hsdp(buckets, cluster, compute_s=100.0)
+    assert hidden.step_s == pytest.approx(100.0 + moves[-1]) and hidden.comm_s == pytest.approx(3 * sum(moves))
+    assert hidden.payload_bytes == 0  # one node: nothing crosses nodes
+    exposed = net.predict_hsdp(buckets, cluster, compute_s=0.0)
+    assert exposed.step_s >= 2 * sum(moves)  # each pass takes its gathers' time at least
+
+
+def _routes(compute_s: float = 0.05):
+    cluster = net.Cluster(2, 4, NVLINK, net.preset("10gbe"))
+    buckets = net.even_buckets(1e8)
+    ddp = advise.evaluate(buckets, 8, cluster.flat_link(), compute_s, candidate_profiles(8, GPUS["a100"]))
+    fp32 = next(r for r in ddp if r.profile.name == "none").prediction.step_s
+    hsdp = advise.evaluate(buckets, 2, None, compute_s, candidate_profiles(2, GPUS["a100"]), hsdp=cluster, baseline_s=fp32)
+    return cluster, ddp, hsdp
+
+
+def test_the_recommended_route_is_the_cheapest_priced():
+    cluster, ddp, hsdp = _routes()
+    assert {r.route for r in ddp} == {"DDP"} and {r.route for r in hsdp} == {"HSDP"}
+    fp32 = next(r for r in ddp if r.profile.name == "none").prediction.step_s
+    assert all(r.speedup == pytest.approx(fp32 / r.prediction.step_s) for r in hsdp)  # against fp32 DDP
+    rows = ddp + hsdp
+    assert advise.recommend(rows, tolerance=0) is min(advise.eligible(rows), key=lambda r: r.time_s)
+    assert advise.recommend(rows, tolerance=0, biased=True) is min(rows, key=lambda r: r.time_s)
+    # within the tolerance, the least lossy per gradient element whatever the route: HSDP's none is fp32 too
+    chosen = advise.recommend(rows)
+    close = [r for r in advise.eligible(rows) if r.time_s <= min(x.time_s for x in advise.eligible(rows)) * 1.1]
+    assert chosen in close and all(r.prediction.payload_bytes / r.prediction.elements
+                                   <= chosen.prediction.payload_bytes / chosen.prediction.elements for r in close)
+
+
+def _table(out: str, heading: str) -> list[str]:
+    """The rows of the first table after the line that starts with `heading`."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    start = next(i for i in range(start, len(lines)) if lines[i].startswith("|---")) + 1
+    return lines[start:lines.index("", start)]
+
+
+def test_cli_prices_a_two_level_cluster_and_recommends_a_route(capsys):
+    assert cli.main(["model", "--params", "1.3e9", "--nodes", "2", "--gpus-per-node", "4", "--intra-link", "nvlink-a100",
+                     "--inter-link", "25gbe"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes x 4 GPUs = 8 workers" in out and "per node (its NIC, shared by its 4 GPUs)" in out
+    hsdp = _table(out, "HSDP:")
+    from netgain.comm.fsdp import CODECS  # what the FSDP hook runs across replicas is what HSDP prices
+    assert {line.split(" | ")[0].strip("| ").split("(")[0] for line in hsdp} == {n for n, _ in SETTINGS if n in CODECS}
+    route = re.search(r"recommendation: (DDP|HSDP), (.*?) \(([0-9.]+)x the step speed of fp32 DDP, ([0-9.]+)x the step "
+                      r"speed of DDP with PowerSGD r4\)", out)
+    assert route, out
+    step = {name: float(line.split(" | ")[-2]) for name, table in (("DDP", _table(out, "DDP:")), ("HSDP", hsdp))
+            for line in table if "**<-**" in line}
+    fp32 = float(_table(out, "DDP:")[0].split(" | ")[-2])
+    assert list(step) == [route[1]] and float(route[3]) == pytest.approx(fp32 / step[route[1]], abs=0.01)
+    # DDP's rows are the flat cluster's on the NIC: --workers 8 --link 25gbe prices the same table
+    assert cli.main(["model", "--params", "1.3e9", "--workers", "8", "--link", "25gbe"]) == 0
+    flat = capsys.readouterr().out
+    assert [line.replace(" **<-**", "") for line in _table(out, "DDP:")] == \
+        [line.replace(" **<-**", "") for line in _table(flat, "| codec")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "6", "--nodes", "2", "--gpus-per-node", "4"],
+     "--workers must be --nodes 2 x --gpus-per-node 4 = 8 (or be left out), got 6"),
+    (["--nodes", "2"], "--nodes 2 needs its partner: a two-level cluster is --nodes x --gpus-per-node, give both"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--link", "25gbe"], "--link 25gbe is a flat cluster's one link: with "
+     "--nodes give --intra-link and --inter-link"),
+    (["--workers", "8", "--inter-link", "25gbe"], "--inter-link 25gbe describes a two-level cluster: give --nodes"),
+    ([], "give --workers (a flat cluster, every rank on --link), or --nodes and --gpus-per-node"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--inter-bandwidth", "fast"], "--inter-bandwidth: cannot parse 'fast'"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--intra-link", "pcie4", "--intra-bandwidth", "40gbit"],
+     "--intra-link pcie4 and --intra-bandwidth 40gbit both name the link: give one"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--inter-bandwidth", "1e30gbit"],
+     "--inter-bandwidth must be between 1 kbit/s and 10 Pbit/s, got 1e30gbit"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--intra-link", "nvlink"], "argument --intra-link: invalid choice: 'nvlink'"),
+])
+def test_cli_refuses_an_inconsistent_cluster_by_name(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["model", "--params", "1.3e9", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_two_level_custom_links_and_defaults():
+    args = cli.build_parser("model").parse_args(["model", "--params", "1e9", "--nodes", "3", "--gpus-per-node", "8",
+                                                 "--gpu", "h100", "--inter-bandwidth", "200gbit", "--inter-latency", "5us"])
+    advise.check_args(args)
+    cluster, link, device = advise.resolve_cluster(args)
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.intra.name, device) == (3, 8, "nvlink-h100", "h100")
+    assert (cluster.inter.bandwidth, cluster.inter.latency) == (pytest.approx(25e9), pytest.approx(5e-6))
+    assert link == cluster.flat_link() and link.bandwidth == cluster.inter.bandwidth

@@ -38,7 +38,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
     # netgain.cost knows no codecs nor align: `netgain model` gets the codecs' profiles from netgain.comm, as
     # data, and netgain.align's model types (a compressed folder counts its real layers) as a call
-    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles, auto_plan=_auto_plan, model_types=_align_model_types)
+    sub.choices["model"].set_defaults(codec_profiles=_candidate_profiles, hsdp_profiles=_hsdp_profiles, auto_plan=_auto_plan,
+                                      model_types=_align_model_types)
     return parser
 
 
@@ -46,6 +47,15 @@ def _candidate_profiles(world_size, cost, shapes=None):
     from netgain.comm.config import candidate_profiles
 
     return candidate_profiles(world_size, cost, shapes)
+
+
+def _hsdp_profiles(world_size, cost, shapes=None):
+    """The candidates netgain.comm.fsdp runs across HSDP's replicas (its CODECS; not the planners)."""
+    from netgain.comm.config import candidate_profiles
+    from netgain.comm.fsdp import CODECS
+
+    return [(profile, convergence) for profile, convergence in candidate_profiles(world_size, cost, shapes)
+            if profile.name.split("(")[0] in CODECS]
 
 
 def _auto_plan(numels, shapes, world_size, link, compute_s, cost):

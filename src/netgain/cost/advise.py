@@ -44,6 +44,7 @@ class Row:
     speedup: float
     convergence: str  # "unbiased", "low-rank" (error feedback), "rounded" (16-bit casts) or "biased": see CONVERGES
     steps: float | None = None  # steps to the target loss / fp32's (inf: never reached); None: not measured
+    route: str = "DDP"  # or "HSDP" (net.predict_hsdp)
 
     @property
     def time_s(self) -> float:
@@ -149,21 +150,24 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def resolve_link(args) -> tuple[net.Link, str]:
-    """The fabric from --link or --bandwidth/--latency, and the device usually attached to it."""
-    if args.bandwidth is not None and args.link:
-        raise ValueError(f"--link {args.link} and --bandwidth {args.bandwidth} both name the link: give one "
-                         "(--bandwidth, with --latency, describes a link that is not a preset)")
+def resolve_link(args, level: str = "", default: str = DEFAULT_LINK) -> tuple[net.Link, str]:
+    """The fabric from --link or --bandwidth/--latency, and the device usually attached to it; with `level`
+    "intra" or "inter", a two-level cluster's from --intra-link ... or --inter-link ..., `default` without any."""
+    flag, attr = (f"--{level}-", f"{level}_") if level else ("--", "")
+    preset, bandwidth, latency_text = (getattr(args, attr + key) for key in ("link", "bandwidth", "latency"))
+    if bandwidth is not None and preset:
+        raise ValueError(f"{flag}link {preset} and {flag}bandwidth {bandwidth} both name the link: give one "
+                         f"({flag}bandwidth, with {flag}latency, describes a link that is not a preset)")
     latency = None
-    if args.latency is not None:
-        latency = net.parse_duration(args.latency)
-        _require_within(latency, (0.0, MAX_LATENCY_S), "--latency", args.latency, "0 s and 10 s")
-    if args.bandwidth is not None:
-        rate = net.parse_bandwidth(args.bandwidth)
-        _require_within(rate, BANDWIDTH_RANGE, "--bandwidth", args.bandwidth, "1 kbit/s and 10 Pbit/s")
+    if latency_text is not None:
+        latency = net.parse_duration(latency_text, f"{flag}latency")
+        _require_within(latency, (0.0, MAX_LATENCY_S), f"{flag}latency", latency_text, "0 s and 10 s")
+    if bandwidth is not None:
+        rate = net.parse_bandwidth(bandwidth, f"{flag}bandwidth")
+        _require_within(rate, BANDWIDTH_RANGE, f"{flag}bandwidth", bandwidth, "1 kbit/s and 10 Pbit/s")
         latency = 30e-6 if latency is None else latency
-        return net.Link("custom", rate, latency, f"--bandwidth {args.bandwidth}, latency {latency * 1e6:g} us"), "a100"
-    name = args.link or DEFAULT_LINK
+        return net.Link("custom", rate, latency, f"{flag}bandwidth {bandwidth}, latency {latency * 1e6:g} us"), "a100"
+    name = preset or default
     link = net.preset(name)
     if latency is not None:
         link = dataclasses.replace(link, latency=latency)
@@ -178,23 +182,27 @@ def _require_within(value: float, bounds: tuple[float, float], flag: str, text: 
 def evaluate(buckets: list[int], world_size: int, link: net.Link, compute_s: float,
              profiles: list[tuple[net.CodecProfile, str]], algorithm: str = "auto",
              tensors: list[int] | None = None, shapes: list[list[tuple[int, ...]]] | None = None,
-             codec_shares_compute: bool = False, steps: dict[str, float] | None = None) -> list[Row]:
+             codec_shares_compute: bool = False, steps: dict[str, float] | None = None,
+             hsdp: net.Cluster | None = None, baseline_s: float | None = None) -> list[Row]:
     """Predict every candidate codec, given as (profile, convergence) data: netgain.cost knows no
     codecs (the CLI passes netgain.comm.config.candidate_profiles). `tensors`: parameters per
     bucket; `shapes`: their shapes per bucket (net.ddp_bucket_shapes), which size low-rank factors;
     `codec_shares_compute`: see net.predict (True on CPU workers); `steps`: measured steps to the
-    target per codec name (read_steps; "none" is 1 by definition)."""
-    predictions = [(profile, convergence, net.predict(buckets, world_size, link, profile, compute_s,
-                                                      algorithm=algorithm, tensors=tensors, shapes=shapes,
-                                                      codec_shares_compute=codec_shares_compute))
+    target per codec name (read_steps; "none" is 1 by definition). `hsdp`: price HSDP on this cluster
+    (net.predict_hsdp, the codec across nodes; world_size and link unused) instead of DDP; `baseline_s`:
+    the step the speed-ups are against (default: this route's "none")."""
+    options = dict(algorithm=algorithm, tensors=tensors, shapes=shapes, codec_shares_compute=codec_shares_compute)
+    predictions = [(profile, convergence, net.predict_hsdp(buckets, hsdp, profile, compute_s, **options) if hsdp
+                    else net.predict(buckets, world_size, link, profile, compute_s, **options))
                    for profile, convergence in profiles]
-    baseline = next(p for prof, _, p in predictions if prof.name == "none").step_s
-    if steps is not None and not any(prof.name in steps for prof, _, _ in predictions if prof.name != "none"):
+    baseline = baseline_s if baseline_s is not None else next(p for prof, _, p in predictions if prof.name == "none").step_s
+    # HSDP's candidates are fewer: a CSV of low rank only is still DDP's to weigh
+    if steps is not None and not hsdp and not any(prof.name in steps for prof, _, _ in predictions if prof.name != "none"):
         raise ValueError(f"--steps-from: none of its codecs ({', '.join(sorted(steps)) or 'no rows'}) is one this "
                          f"weighs ({', '.join(prof.name for prof, _, _ in predictions)})")
     steps = None if steps is None else {**steps, "none": 1.0}
-    return [Row(prof, p, baseline / p.step_s, convergence, None if steps is None else steps.get(prof.name))
-            for prof, convergence, p in predictions]
+    return [Row(prof, p, baseline / p.step_s, convergence, None if steps is None else steps.get(prof.name),
+                "HSDP" if hsdp else "DDP") for prof, convergence, p in predictions]
 
 
 def eligible(rows: list[Row], biased: bool = False) -> list[Row]:
@@ -214,7 +222,8 @@ DEFAULT_TOLERANCE = 0.10
 
 
 def recommend(rows: list[Row], tolerance: float = DEFAULT_TOLERANCE, biased: bool = False) -> Row:
-    """The least lossy codec (most bytes on the wire) within `tolerance` of the fastest, among the
+    """The least lossy codec (most bytes on the wire per gradient element: HSDP's and DDP's rows compare
+    as the codecs they run) within `tolerance` of the fastest, among the
     codecs that keep training on course (CONVERGES, and "none") unless `biased`. With measured steps
     (any row's `steps` set) the fastest is by time to target (Row.time_s), among measured codecs only:
     an unmeasured one would look as if it converged like fp32.
@@ -233,10 +242,10 @@ def recommend(rows: list[Row], tolerance: float = DEFAULT_TOLERANCE, biased: boo
     rows = eligible(rows, biased)
     best = min(r.time_s for r in rows)
     close = [r for r in rows if r.time_s <= best * (1 + tolerance)]
-    return max(close, key=lambda r: (r.prediction.payload_bytes, -r.time_s))
+    return max(close, key=lambda r: (r.prediction.payload_bytes / r.prediction.elements, -r.time_s))
 
 
-def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
+def format_table(rows: list[Row], chosen: Row) -> str:
     """The predictions as Markdown; bits/elem: payload (headers and factors included) per gradient element.
     With measured steps: steps to target (x fp32's) and the speedup in time to target."""
     measured = any(r.steps is not None for r in rows)
@@ -247,7 +256,7 @@ def format_table(rows: list[Row], chosen: Row, elements: float) -> str:
     for r in rows:
         p = r.prediction
         mark = " **<-**" if r is chosen else ""
-        line = (f"| {r.profile.name}{mark} | {8 * p.payload_bytes / elements:.3g} | {r.profile.collective} | "
+        line = (f"| {r.profile.name}{mark} | {8 * p.payload_bytes / p.elements:.3g} | {r.profile.collective} | "
                 f"{r.convergence} | {p.payload_bytes / 1e6:.3g} | {p.comm_s:.4g} | "
                 f"{p.encode_s + p.decode_s:.4g} | {p.exposed_comm_s:.4g} | {p.step_s:.4g} | "
                 f"{r.speedup:.2f}x |")
@@ -262,13 +271,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=float, help="number of parameters, e.g. 7e9")
     size.add_argument("--model", help="a Hugging Face model folder (config.json and/or *.safetensors)")
-    parser.add_argument("--workers", type=int, required=True, help="data-parallel world size")
+    parser.add_argument("--workers", type=int, help="data-parallel world size of a flat cluster, every rank on "
+                        "--link (with --nodes: optional, nodes x gpus per node)")
     parser.add_argument("--link", choices=tuple(net.PRESETS),
                         help=f"fabric preset (default {DEFAULT_LINK}); see netgain.cost.network.PRESETS")
     parser.add_argument("--bandwidth", help="custom link instead of --link: payload rate per rank "
                         "and direction (headers already taken off), e.g. 40gbit or 5GB/s")
     parser.add_argument("--latency", help="per-message latency, e.g. 30us (default: the preset's, "
                         "30us for --bandwidth)")
+    nodes = parser.add_argument_group(
+        "two-level cluster", "nodes of several GPUs, instead of --link/--bandwidth/--latency: prices DDP over all "
+        "ranks (at the pace of the slowest hop, the node's NIC) and HSDP (FSDP inside a node, the replicas "
+        "all-reducing each shard across nodes, with each codec netgain.comm.fsdp runs)")
+    nodes.add_argument("--nodes", type=int, help="number of nodes, >= 1")
+    nodes.add_argument("--gpus-per-node", type=int, help="ranks per node, >= 1")
+    for level, where, default in (("intra", "between the GPUs of a node, per GPU",
+                                   "the NVLink of --gpu: nvlink-h100 for h100 and h200, else nvlink-a100"),
+                                  ("inter", "between nodes: one per node, its NIC shared by the node's GPUs",
+                                   DEFAULT_LINK)):
+        nodes.add_argument(f"--{level}-link", choices=tuple(net.PRESETS), help=f"fabric preset {where} (default {default})")
+        nodes.add_argument(f"--{level}-bandwidth", help=f"custom link instead of --{level}-link, as --bandwidth")
+        nodes.add_argument(f"--{level}-latency", help=f"its per-message latency, as --latency (default: the "
+                           f"preset's, 30us for --{level}-bandwidth)")
     parser.add_argument("--gpu", choices=GPU_CHOICES,
                         help="what each rank runs on: sets the compute estimate and the codec cost "
                         "(default: the preset's, a100 for --bandwidth; cpu = this machine, as in "
@@ -332,13 +356,55 @@ def bucket_caps(args) -> tuple[float, float]:
     return (args.bucket_mb, args.bucket_mb) if args.bucket_mb else (DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB)
 
 
+def require(ok: bool, flag: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{flag} {rule}, got {value}")
+
+
+FLAT_LINK_FLAGS = ("--link", "--bandwidth", "--latency")
+TWO_LEVEL_LINK_FLAGS = tuple(f"--{level}-{key}" for level in ("intra", "inter") for key in ("link", "bandwidth", "latency"))
+INTRA_DEFAULTS = {"h100": "nvlink-h100", "h200": "nvlink-h100"}  # --gpu's NVLink; nvlink-a100 for the others
+
+
+def _value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
+def _given(args, flags) -> list[str]:
+    return [flag for flag in flags if _value(args, flag) is not None]
+
+
+def check_cluster(args) -> None:
+    """A flat cluster (--workers, every rank on one link) or a two-level one (--nodes x --gpus-per-node, a link
+    inside the nodes and one between them), each described by its own options only."""
+    shape = _given(args, ("--nodes", "--gpus-per-node"))
+    if not shape:
+        if args.workers is None:
+            raise ValueError("give --workers (a flat cluster, every rank on --link), or --nodes and --gpus-per-node "
+                             "(nodes of several GPUs)")
+        two_level = _given(args, TWO_LEVEL_LINK_FLAGS)
+        if two_level:
+            raise ValueError(f"{two_level[0]} {_value(args, two_level[0])} describes a two-level cluster: give --nodes "
+                             "and --gpus-per-node with it")
+        return
+    if len(shape) == 1:
+        raise ValueError(f"{shape[0]} {_value(args, shape[0])} needs its partner: a two-level cluster is --nodes x "
+                         "--gpus-per-node, give both")
+    flat = _given(args, FLAT_LINK_FLAGS)
+    if flat:
+        raise ValueError(f"{flat[0]} {_value(args, flat[0])} is a flat cluster's one link: with --nodes give "
+                         "--intra-link and --inter-link (or --intra-bandwidth, --inter-bandwidth)")
+    require(args.nodes >= 1, "--nodes", "must be at least 1", args.nodes)
+    require(args.gpus_per_node >= 1, "--gpus-per-node", "must be at least 1", args.gpus_per_node)
+    world = args.nodes * args.gpus_per_node
+    require(args.workers in (None, world), "--workers", f"must be --nodes {args.nodes} x --gpus-per-node "
+            f"{args.gpus_per_node} = {world} (or be left out)", args.workers)
+
+
 def check_args(args) -> None:
     """Every number `netgain model` takes, named as on the command line, before any prediction."""
-    def require(ok: bool, flag: str, rule: str, value) -> None:
-        if not ok:
-            raise ValueError(f"{flag} {rule}, got {value}")
-
-    require(args.workers >= 1, "--workers", "must be at least 1", args.workers)
+    require(args.workers is None or args.workers >= 1, "--workers", "must be at least 1", args.workers)
+    check_cluster(args)
     if args.params is not None:
         require(math.isfinite(args.params) and args.params >= 1, "--params", "must be a finite number >= 1",
                 args.params)
@@ -362,10 +428,28 @@ def check_args(args) -> None:
             args.tolerance)
 
 
+def resolve_cluster(args) -> tuple[net.Cluster | None, net.Link, str]:
+    """(the two-level cluster, None for a flat one; the link DDP's collectives run at; the device usually
+    attached: the one the link inside the nodes connects)."""
+    if args.nodes is None:
+        return (None, *resolve_link(args))
+    intra, device = resolve_link(args, "intra", INTRA_DEFAULTS.get(args.gpu, "nvlink-a100"))
+    cluster = net.Cluster(args.nodes, args.gpus_per_node, intra, resolve_link(args, "inter")[0])
+    return cluster, cluster.flat_link(), device
+
+
+def link_line(label: str, link: net.Link, algorithm: str, per: str = "rank") -> str:
+    algorithm = link.algorithm if algorithm == "auto" else algorithm
+    return (f"{label}: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per {per}, "
+            f"{link.latency * 1e6:.3g} us per message, {link.overhead * 1e6:.3g} us per collective"
+            f"{f', {link.burst / 1e3:.4g} kB shaper burst' if link.burst else ''}, {algorithm} allreduce")
+
+
 def run(args) -> int:
     check_args(args)
-    link, device = resolve_link(args)
-    steps = read_steps(args.steps_from, args.workers) if args.steps_from else None
+    cluster, link, device = resolve_cluster(args)
+    workers = cluster.world_size if cluster else args.workers
+    steps = read_steps(args.steps_from, workers) if args.steps_from else None
     gpu = GPUS.get(args.gpu or device)
     cost_name = args.codec_cost or ("memory" if gpu else "calibrate")
     if cost_name == "memory" and gpu is None:
@@ -395,32 +479,71 @@ def run(args) -> int:
                              f"more than {MAX_COMPUTE_MS:g} ms (11.6 days): give smaller --tokens-per-step, a larger "
                              "--mfu, or --compute-ms")
 
-    profiles = args.codec_profiles(args.workers, cost, calibration_shapes(bucket_shapes, args.workers))
-    rows = evaluate(buckets, args.workers, link, compute_s, profiles, args.algorithm, tensors, bucket_shapes,
-                    codec_shares_compute=gpu is None, steps=steps)
-    chosen = recommend(rows, args.tolerance, args.allow_biased)
-    print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; "
-          f"{args.workers} workers")
-    algorithm = link.algorithm if args.algorithm == "auto" else args.algorithm
-    print(f"link: {link.name} ({link.note}): {link.bandwidth / 1e9:.4g} GB/s per rank, "
-          f"{link.latency * 1e6:.3g} us per message, {link.overhead * 1e6:.3g} us per collective"
-          f"{f', {link.burst / 1e3:.4g} kB shaper burst' if link.burst else ''}, {algorithm} allreduce")
+    profiles = args.codec_profiles(workers, cost, calibration_shapes(bucket_shapes, workers))
+    priced = dict(algorithm=args.algorithm, tensors=tensors, shapes=bucket_shapes, codec_shares_compute=gpu is None,
+                  steps=steps)
+    rows = evaluate(buckets, workers, link, compute_s, profiles, **priced)
+    nodes = f"{cluster.nodes} node{'s' * (cluster.nodes > 1)} x {cluster.gpus_per_node} GPUs = " if cluster else ""
+    print(f"model: {params:.4g} parameters in {len(buckets)} buckets of about {bucket_mb:g} MiB; {nodes}{workers} workers")
+    if cluster:
+        print(link_line("inside a node", cluster.intra, args.algorithm))
+        print(link_line("between nodes", cluster.inter, args.algorithm,
+                        f"node (its NIC, shared by its {cluster.gpus_per_node} GPUs)"))
+    else:
+        print(link_line("link", link, args.algorithm))
     print(f"compute: {compute_s * 1e3:.4g} ms per step ({compute_note}); codec cost: {cost_name}"
           f"{' (' + gpu.name + ' HBM)' if cost_name == 'memory' else ''}")
     print()
-    print(format_table(rows, chosen, params))
-    print()
+    if cluster:
+        # one node: FSDP alone, with no hop across nodes for a codec to take
+        hsdp_profiles = (args.hsdp_profiles(cluster.nodes, cost, calibration_shapes(bucket_shapes, cluster.nodes))
+                         if cluster.nodes > 1 else [p for p in profiles if p[0].name == "none"])
+        fp32_ddp = next(r for r in rows if r.profile.name == "none").prediction.step_s
+        hsdp = evaluate(buckets, cluster.nodes, link, compute_s, hsdp_profiles, **priced, hsdp=cluster, baseline_s=fp32_ddp)
+        print(routes_report(rows, hsdp, cluster, args.tolerance, args.allow_biased))
+    else:
+        print(flat_report(rows, args.tolerance, args.allow_biased))
+    print(auto_forecast(args.auto_plan(buckets, bucket_shapes, workers, link, compute_s, cost)))
+    return 0
+
+
+def flat_report(rows: list[Row], tolerance: float, biased: bool) -> str:
+    """The codecs' table and the recommendation among them."""
+    chosen = recommend(rows, tolerance, biased)
+    measured = any(r.steps is not None for r in rows)
     to_target = f", {chosen.steps:.3g}x its steps to the target" if chosen.steps is not None else ""
     if chosen.profile.name == "none":
-        best = min((r for r in eligible(rows, args.allow_biased) if r is not chosen), key=lambda r: r.time_s, default=chosen)
-        print(f"recommendation: no compression (no codec is more than {args.tolerance:.0%} faster"
-              f"{' to the target' if steps else ''}; best: {best.profile.name} at "
-              f"{chosen.time_s / best.time_s:.2f}x{' to the target' if steps else ' the step speed'})")
+        best = min((r for r in eligible(rows, biased) if r is not chosen), key=lambda r: r.time_s, default=chosen)
+        line = (f"recommendation: no compression (no codec is more than {tolerance:.0%} faster"
+                f"{' to the target' if measured else ''}; best: {best.profile.name} at "
+                f"{chosen.time_s / best.time_s:.2f}x{' to the target' if measured else ' the step speed'})")
     else:
-        print(f"recommendation: {chosen.profile.name} "
-              f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
-    print(auto_forecast(args.auto_plan(buckets, bucket_shapes, args.workers, link, compute_s, cost)))
-    return 0
+        line = (f"recommendation: {chosen.profile.name} "
+                f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
+    return f"{format_table(rows, chosen)}\n\n{line}"
+
+
+def routes_report(ddp: list[Row], hsdp: list[Row], cluster: net.Cluster, tolerance: float, biased: bool) -> str:
+    """A two-level cluster's tables, DDP's and HSDP's, and the route recommended among both (recommend: the
+    least lossy within `tolerance` of the fastest), against fp32 DDP and DDP with PowerSGD r4."""
+    chosen = recommend(ddp + hsdp, tolerance, biased)
+    g, flat, shared = cluster.gpus_per_node, cluster.flat_link(), cluster.replica_link()
+    measure = "sooner to the target than" if chosen.steps is not None else "the step speed of"
+    versus = [f"{r.time_s / chosen.time_s:.2f}x {measure} {label}" for label, name in
+              (("fp32 DDP", "none"), ("DDP with PowerSGD r4", POWERSGD_R4)) for r in ddp if r.profile.name == name]
+    codec = ("no compression" if chosen.profile.name == "none" else
+             chosen.profile.name + (" across nodes" if chosen.route == "HSDP" else ""))
+    across = (f"the {cluster.nodes} replicas all-reduce each rank's 1/{g} shard across nodes, a node's {g} shards at "
+              f"once through its NIC ({shared.bandwidth / 1e9:.4g} GB/s each), with the codecs netgain.comm.fsdp runs"
+              if cluster.nodes > 1 else "one node: FSDP alone, no replicas to all-reduce")
+    return "\n".join([
+        f"DDP: each collective spans all {cluster.world_size} ranks, a ring (or tree) at the pace of its slowest hop "
+        f"({flat.bandwidth / 1e9:.4g} GB/s, {flat.latency * 1e6:.3g} us per message)",
+        format_table(ddp, chosen), "",
+        f"HSDP: FSDP shards each bucket over a node's {g} GPUs on {cluster.intra.name} (gradients reduce-scattered, "
+        f"parameters all-gathered in the forward and again in the backward); {across}; speedup against fp32 DDP",
+        format_table(hsdp, chosen), "",
+        f"recommendation: {chosen.route}, {codec} ({', '.join(versus)})"])
 
 
 POWERSGD_R4 = "lowrank(rank=4,factors=fp32)"  # PowerSGD r4's bytes and steps: netgain's low rank r4 with fp32 factors

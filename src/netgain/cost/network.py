@@ -12,6 +12,8 @@ the fixed cost of one collective call (the library's dispatch and thread hand-of
 small collectives, netgain's per-bucket header among them, latency-bound at 1 Gbit/s and above.
 A token-bucket shaper (the lab's `tc tbf`) lets `burst` bytes through at once after an idle
 spell; predict() follows how full the bucket is from one collective to the next.
+Nodes of several GPUs (Cluster): DDP over every rank runs at the pace of the node's NIC, and
+predict_hsdp prices HSDP, FSDP inside the node and the replicas' all-reduce of a shard across nodes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .kernels import GPU
@@ -196,39 +198,88 @@ def preset_device(name: str) -> str:
     return PRESETS[name][1]
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """Two-level data parallelism: `nodes` of `gpus_per_node` ranks each. `intra` links the ranks of a node (per
+    rank, as a flat cluster's Link); `inter` is one node's network port (its NIC), shared by all of its ranks.
+
+    Why the NIC counts once per node: NCCL threads its rings (and trees) over every rank through the nodes, so
+    each ring leaves and enters a node once and carries a rank's whole share of the traffic over the NIC, and
+    each ring step waits for its slowest hop (flat_link). HSDP's all-reduces across nodes are one per shard,
+    gpus_per_node of them at once through the same NIC (replica_link).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def flat_link(self) -> Link:
+        """What a collective over every rank (DDP's) runs at: a ring through all ranks, each step as slow as its
+        slowest hop, so the lower bandwidth and the higher latency and call overhead of the two links (gloo's
+        ring only if either link is gloo's). One node: its own link; one rank per node: the network."""
+        if self.nodes == 1:
+            return self.intra
+        if self.gpus_per_node == 1:
+            return self.inter
+        slow = min(self.intra, self.inter, key=lambda link: link.bandwidth)
+        ring = "ring" in (self.intra.algorithm, self.inter.algorithm)
+        return replace(slow, name=f"{self.intra.name} + {self.inter.name}",
+                       latency=max(self.intra.latency, self.inter.latency),
+                       overhead=max(self.intra.overhead, self.inter.overhead), algorithm="ring" if ring else "fastest",
+                       note=f"a ring through all {self.world_size} ranks, at the pace of its slowest hop, {slow.name}")
+
+    def replica_link(self) -> Link:
+        """What each of a node's gpus_per_node concurrent all-reduces across nodes (HSDP's, one per shard) gets:
+        an equal share of the NIC, and of its shaper's burst."""
+        g = self.gpus_per_node
+        return replace(self.inter, name=f"{self.inter.name} / {g}", bandwidth=self.inter.bandwidth / g,
+                       burst=self.inter.burst / g, note=f"{self.inter.name} shared by a node's {g} shards")
+
+
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)"
 
 
-def parse_bandwidth(text: str) -> float:
+def parse_bandwidth(text: str, name: str = "bandwidth") -> float:
     """Bytes/s from a rate: bits in '25gbit', '25Gb/s', '25Gbps'; bytes in '12GB/s', '12GBps'.
 
     As in network specs, a lower-case b is a bit and an upper-case B a byte ('10Gb/s' is 1.25 GB/s);
-    the prefix (k, M, G, T, decimal) takes either case.
+    the prefix (k, M, G, T, decimal) takes either case. `name`: what errors call it (a CLI flag).
     """
     m = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]?)((?i:bit(?:/s)?)|b/s|bps|B/s|Bps)", text.strip())
     if not m:
-        raise ValueError(f"bandwidth: cannot parse {text!r}; use e.g. '25gbit', '100Mb/s' (bits) or '12GB/s' "
+        raise ValueError(f"{name}: cannot parse {text!r}; use e.g. '25gbit', '100Mb/s' (bits) or '12GB/s' "
                          "(bytes: an upper-case B)")
     if m.group(3) == "b/s" and m.group(2).islower():  # netgain read '12gb/s' as bytes before 2026-12-04
-        raise ValueError(f"bandwidth: {text!r} is ambiguous: write {m.group(1)}{m.group(2).upper()}b/s or "
+        raise ValueError(f"{name}: {text!r} is ambiguous: write {m.group(1)}{m.group(2).upper()}b/s or "
                          f"{m.group(1)}{m.group(2)}bit for bits, {m.group(1)}{m.group(2).upper()}B/s for bytes")
     rate = float(m.group(1)) * _PREFIXES[m.group(2).lower()] / (1 if m.group(3) in ("B/s", "Bps") else 8)
     if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"bandwidth: must be a finite rate > 0, got {text!r}")
+        raise ValueError(f"{name}: must be a finite rate > 0, got {text!r}")
     return rate
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from '30us', '1.5ms', '0.2s'."""
+def parse_duration(text: str, name: str = "latency") -> float:
+    """Seconds from '30us', '1.5ms', '0.2s'; `name`: what errors call it."""
     m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
     if not m or m.group(2) not in _TIME_UNITS:
-        raise ValueError(f"latency: cannot parse {text!r}; use e.g. '30us', '1ms' (units "
+        raise ValueError(f"{name}: cannot parse {text!r}; use e.g. '30us', '1ms' (units "
                          f"{', '.join(_TIME_UNITS)})")
     seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
     if not math.isfinite(seconds):
-        raise ValueError(f"latency: must be finite, got {text!r}")
+        raise ValueError(f"{name}: must be finite, got {text!r}")
     return seconds
 
 
@@ -537,8 +588,9 @@ def even_bucket_count(params: float, bucket_mb: float = 25.0, first_bucket_mb: f
 class Prediction:
     """One predicted training step of one rank.
 
-    comm_s: time on the wire summed over buckets (as if nothing overlapped); encode_s/decode_s:
-    codec work; exposed_comm_s: how far the step runs past the end of the backward pass.
+    comm_s: time on the wire summed over buckets (as if nothing overlapped; FSDP's gathers and
+    reduce-scatters included); encode_s/decode_s: codec work; exposed_comm_s: how far the step runs
+    past the compute alone; elements: the gradient elements the payload encodes (a shard's under HSDP).
     """
 
     codec: str
@@ -550,6 +602,7 @@ class Prediction:
     exposed_comm_s: float
     payload_bytes: float
     buckets: int
+    elements: float = 0.0
 
 
 def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
@@ -557,7 +610,8 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
             backward_fraction: float = 2 / 3, algorithm: str = "auto",
             bucket_mb: float = 25.0, tensors: Sequence[int] | None = None,
             shapes: Sequence[Sequence[Sequence[int]]] | None = None,
-            codec_shares_compute: bool = False) -> Prediction:
+            codec_shares_compute: bool = False, stage_s: Sequence[float] | None = None,
+            gather_s: float = 0.0) -> Prediction:
     """Predict one data-parallel step.
 
     `buckets`: element counts per bucket in ready order (see ddp_buckets), or a parameter count
@@ -572,44 +626,53 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
     threads already fill its share of the cores; on the lab the hook's encode ran 2-3x its time
     alone), so it lengthens the compute by its own time as well as taking the worker's. The
     link's shaper starts the step full (the previous step's compute refilled it).
+    HSDP (predict_hsdp) adds `stage_s`: seconds of a collective of each bucket's own on another link
+    and stream before the codec's (the reduce-scatter inside the node), which runs once the bucket is
+    ready and bucket k-1's is done; and `gather_s`: the parameter all-gathers of one pass, each
+    prefetched during the compute before it, so a pass takes the longer of its compute and its gathers.
     """
     check_world(world_size)
     if not 0 < backward_fraction <= 1:
         raise ValueError(f"backward_fraction: must be in (0, 1], got {backward_fraction!r}")
-    if compute_s < 0:
-        raise ValueError(f"compute_s: must be >= 0, got {compute_s!r}")
+    if compute_s < 0 or gather_s < 0:
+        raise ValueError(f"compute_s/gather_s: must be >= 0, got {compute_s!r}/{gather_s!r}")
     if isinstance(buckets, (int, float)):
         buckets = even_buckets(buckets, bucket_mb)
     tensors = [1] * len(buckets) if tensors is None else list(tensors)
-    if len(tensors) != len(buckets):
-        raise ValueError(f"tensors: one count per bucket, got {len(tensors)} for {len(buckets)} buckets")
     shapes = [None] * len(buckets) if shapes is None else list(shapes)
-    if len(shapes) != len(buckets):
-        raise ValueError(f"shapes: one list per bucket, got {len(shapes)} for {len(buckets)} buckets")
-    if world_size == 1:
-        return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets))
+    stage_s = [0.0] * len(buckets) if stage_s is None else list(stage_s)
+    for name, given in (("tensors", tensors), ("shapes", shapes), ("stage_s", stage_s)):
+        if len(given) != len(buckets):
+            raise ValueError(f"{name}: one per bucket, got {len(given)} for {len(buckets)} buckets")
     total = sum(buckets)
-    busy_s = compute_s + (total * (codec.encode_s_per_elem + codec.decode_s_per_elem) if codec_shares_compute else 0.0)
-    backward = busy_s * backward_fraction
+    sends = world_size > 1  # one rank alone sends nothing and runs no codec
+    if not (sends or gather_s or any(stage_s)):
+        return Prediction(codec.name, compute_s, compute_s, 0.0, 0.0, 0.0, 0.0, 0.0, len(buckets), total)
+    backward = max(compute_s * backward_fraction, gather_s)
+    busy_s = max(compute_s - compute_s * backward_fraction, gather_s) + backward
+    if codec_shares_compute and sends:
+        shared = total * (codec.encode_s_per_elem + codec.decode_s_per_elem)
+        busy_s, backward = busy_s + shared, backward + shared * backward_fraction
     ready = busy_s - backward
-    done = 0.0
+    done = staged = 0.0
     tokens, idle_from = link.burst, 0.0
-    comm = encode = decode = sent = 0.0
+    comm, encode, decode, sent = sum(stage_s) + 2 * gather_s, 0.0, 0.0, 0.0
     memo = {}  # equal buckets met with equal tokens (a --params model's cap-sized ones) cost the same
-    for numel, count, bucket_shapes in zip(buckets, tensors, shapes):
+    for numel, count, bucket_shapes, stage in zip(buckets, tensors, shapes, stage_s):
         ready += backward * numel / total
-        enc, dec = numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem
-        start = max(ready, done) + enc
+        staged = max(ready, staged) + stage
+        enc, dec = (numel * codec.encode_s_per_elem, numel * codec.decode_s_per_elem) if sends else (0.0, 0.0)
+        start = max(staged, done) + enc
         tokens = refill(tokens, 0.0, start - idle_from, link)
         key = (numel, count, tokens)
         cost = memo.get(key) if bucket_shapes is None else None
         if cost is None:
             wire, left = 0.0, tokens
-            for seconds, out in bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens,
-                                                   bucket_shapes):
+            for seconds, out in (bucket_collectives(numel, world_size, link, codec, algorithm, count, tokens,
+                                                    bucket_shapes) if sends else ()):
                 left = refill(left, out, seconds, link)
                 wire += seconds
-            cost = wire, left, payload_bytes(numel, codec, count, bucket_shapes)
+            cost = wire, left, payload_bytes(numel, codec, count, bucket_shapes) if sends else 0.0
             if bucket_shapes is None:
                 memo[key] = cost
         wire, tokens, payload = cost
@@ -619,7 +682,29 @@ def predict(buckets: Sequence[int] | float, world_size: int, link: Link,
         sent += payload
     step = max(busy_s, done)
     return Prediction(codec.name, step, compute_s, comm, encode, decode,
-                      step - compute_s, sent, len(buckets))
+                      step - compute_s, sent, len(buckets), total)
+
+
+def predict_hsdp(buckets: Sequence[int] | float, cluster: Cluster, codec: CodecProfile = UNCOMPRESSED,
+                 compute_s: float = 0.0, bucket_mb: float = 25.0,
+                 shapes: Sequence[Sequence[Sequence[int]]] | None = None, **options) -> Prediction:
+    """One HSDP step: FSDP2 shards each bucket (taken as one FSDP group) over the ranks of a node, and the
+    nodes' replicas all-reduce each rank's shard through `codec` (predict on the shards, `options` as its).
+
+    Inside the node (cluster.intra): a ring reduce-scatter of each group's fp32 gradient before its
+    all-reduce (stage_s), and ring all-gathers of its fp32 parameters in the forward and again in the
+    backward (gather_s; FSDP2 reshards after the forward). A reduce-scatter moves what the all-gather of
+    its output does. Across nodes: 1/gpus_per_node of the gradient per rank over cluster.replica_link().
+    """
+    g = cluster.gpus_per_node
+    if isinstance(buckets, (int, float)):
+        buckets = even_buckets(buckets, bucket_mb)
+    shards = [math.ceil(numel / g) for numel in buckets]
+    moves = [allgather_s(4 * shard, g, cluster.intra) for shard in shards]
+    if shapes is not None:  # FSDP2 shards dim 0
+        shapes = [[(math.ceil(s[0] / g), *s[1:]) if s else s for s in bucket] for bucket in shapes]
+    return predict(shards, cluster.nodes, cluster.replica_link(), codec, compute_s, shapes=shapes,
+                   stage_s=moves, gather_s=sum(moves), **options)
 
 
 def estimate_compute_s(params: float, tokens_per_step: float, gpu: GPU, mfu: float = 0.4) -> float:
