@@ -183,6 +183,7 @@ def worker(args) -> None:
             ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
             state = register(ddp, spec)
         train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
+        norms, plans = [], []  # the norm of the gradient each step applied (untimed), a planner's plan by step
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
@@ -190,9 +191,13 @@ def worker(args) -> None:
             start = time.perf_counter()
             ddp(input_ids=ids, labels=ids).loss.backward()
             (state if spec is not None and spec[0] == "sync" else optimizer).step()
-            optimizer.zero_grad(set_to_none=True)
             step_times.append(time.perf_counter() - start)
             train_s += step_times[-1]
+            norms.append(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm().item())
+            optimizer.zero_grad(set_to_none=True)
+            plan = (state.last_step.get("plan"), state.last_step.get("trying")) if hasattr(state, "last_step") else None
+            if plan is not None and (not plans or plans[-1][1:] != [str(plan[0]), bool(plan[1])]):
+                plans.append([step, str(plan[0]), bool(plan[1])])  # auto/kimad: the plan's runs, and whether on trial
             if spec is not None and spec[0] == "sync":  # the syncs completed since the last step
                 wire.append(sum(h["wire_bytes"] for h in state.comm.history[synced:]))
                 synced = len(state.comm.history)
@@ -216,7 +221,7 @@ def worker(args) -> None:
         if state is not None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire),
-                "step_times": step_times, "steady_step_s": steady, "left_race": left,
+                "step_times": step_times, "grad_norms": norms, "plans": plans, "step_wire_bytes": wire, "steady_step_s": steady, "left_race": left,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 

@@ -551,12 +551,14 @@ def test_auto_takes_the_fastest_option_and_spends_no_time_on_accuracy_beyond_its
         AdaptivePlanner("auto", time_budget_s=1.0)
 
 
-def test_auto_sends_bf16_until_a_layout_has_its_plan_and_admits_one_error_feedback_memory():
-    """No fp32 warm-up on a slow link: a bucket without a plan (the first steps, DDP's rebuild) goes as bf16,
-    which keeps the first, largest gradients that low rank's random warm start would lose; both low rank
-    options share the one memory (the same rank), so a bucket may switch factor codes between plans."""
+def test_auto_sends_gqsgd_until_a_layout_has_its_plan_and_admits_one_error_feedback_memory():
+    """No fp32 warm-up on a slow link: a bucket without a plan (the first steps, DDP's rebuild) goes as the
+    widest gqsgd, unbiased, which keeps the first, largest gradients that low rank's random warm start would
+    lose; both low rank options share the one memory (the same rank), so a bucket may switch factor codes."""
     planner = comm.AutoConfig(rank=8).build()
-    assert planner.codec_for(0, 4096).describe() == "bf16"
+    assert planner.codec_for(0, 4096).describe() == "gqsgd(bits=8,encoding=packed)"
+    assert comm.AutoConfig(bits=(3, 5)).build().codec_for(0, 4096).describe() == "gqsgd(bits=5,encoding=packed)"
+    assert comm.KimadConfig().build().codec_for(0, 4096).describe() == "none"
     ranks = {o.rank for o in planner.options if isinstance(o, LowRank)}
     assert ranks == {8} and isinstance(planner.memory_codec, LowRank) and planner.memory_codec.rank == 8
     assert comm.comm_config("auto").warmup_steps == 0 and isinstance(comm.CommConfig().codec, comm.AutoConfig)

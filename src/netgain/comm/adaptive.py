@@ -46,9 +46,9 @@ as exposed: on the lab a budget of the backward time "fitted"
 fp32 at 1 Gbit/s while two compressing routes ran 1.3-1.45x faster, since the step is not
 overlapped there. Options: none, bf16, fp16 (where max |g| stays below FP16_PEAK), gqsgd at `bits`, and low rank at `lowrank_rank` with fp32
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
-Until a bucket layout has a plan (the first steps, DDP's rebuild) it sends bf16, not fp32: no
-uncompressed warm-up on a slow link, and low rank's random warm start starts from a plan made on
-gradients bf16 kept whole. Those bf16 steps also measure the link at volume, and auto's monitor
+Until a bucket layout has a plan (the first steps, DDP's rebuild) it sends its widest gqsgd (8 bits),
+not fp32: no uncompressed warm-up on a slow link, and low rank's random warm start starts from a plan
+made on gradients kept unbiased. Those steps also measure the link at volume, and auto's monitor
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
 sustain for large ones. It re-plans when its errors are measured (replan_every), when the link's rate
@@ -144,7 +144,10 @@ class AdaptivePlanner:
         cast = [Cast("bf16", torch.bfloat16), Cast("fp16", torch.float16)] if auto else []
         self.options: list[Codec] = ([NoCompression()] + cast + [GlobalQSGD(b) for b in sorted(bits, reverse=True)]
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
-        self.unplanned = (cast or self.options)[0]  # what a bucket layout without a plan sends: bf16 (auto), fp32
+        # what a bucket layout without a plan sends (its first steps, DDP's rebuild): fp32, or auto's widest gqsgd,
+        # unbiased in a quarter of fp32's bytes (on the lab at 10 Mbit/s its first 2 steps in bf16 took 8 s of 27)
+        widest = [option for option in self.options if isinstance(option, GlobalQSGD)][:1]
+        self.unplanned = (widest + cast if auto else self.options)[0]
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
         self.monitor = monitor or BandwidthMonitor(skip_steps=1, rise_volume=RISE_VOLUME if auto else None)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
@@ -487,11 +490,11 @@ class AdaptivePlanner:
         return candidates
 
     def _cold(self, index: int, option: int) -> bool:
-        """A stateless option with kernels (not none) that has not run on this bucket: its first calls would run
-        eagerly while its kernels compile, so it is warmed (`prepare`) before it is tried."""
+        """A stateless option whose kernels pay to compile (gqsgd: not none, nor a 16-bit cast, whose eager pass
+        runs near its compiled speed) that has not been warmed on this bucket: its first calls would run eagerly
+        while its kernels compile, so it is warmed (`prepare`) before it is tried."""
         codec = self.options[option]
-        return not (isinstance(codec, NoCompression) or codec.uses_feedback or codec is self.unplanned
-                    or (index, option) in self._warmed)
+        return not (isinstance(codec, (NoCompression, Cast)) or codec.uses_feedback or (index, option) in self._warmed)
 
     def _key(self, indices, choice) -> tuple:
         """A plan's identity: each bucket's index, size and option."""
