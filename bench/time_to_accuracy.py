@@ -85,6 +85,9 @@ CONTESTANTS = {
                                 "nesterov": False}),
     "sync-h8-b4-avg": ("sync", {"period": 8, "bits": 4, "overlap_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
                                 "nesterov": False}),
+    # PyTorch's periodic averaging (PostLocalSGD), the fp32 baseline of the "-avg" contestants: see PostLocalSGD
+    "post-local-h4": ("post-local", {"period": 4, "warmup_steps": 0}),
+    "post-local-h16": ("post-local", {"period": 16, "warmup_steps": 0}),
     "kimad": ("netgain", "kimad", {}),
     "auto": ("netgain", "auto", {}),
 }
@@ -97,6 +100,7 @@ PEERS = (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-bf16", "x_bf16_hoo
 PEER_TITLES = {"x_ddp": "x fp32 DDP", "x_fp16_hook": "x fp16_compress_hook", "x_bf16_hook": "x bf16_compress_hook",
                "x_powersgd_r4": "x powerSGD r4", "x_powersgd_r8": "x powerSGD r8",
                "x_powersgd_r32": "x powerSGD r32"}
+LOCAL_STEPS = ("sync", "post-local")  # each worker steps alone between averages: no yardstick for per-step routes
 FIRST_STEPS = 10  # time to target is also reported without a contestant's first steps: a win from the warm-up shows
 WITHIN = 1.10  # the pick counts as right within 10% of the fastest time to target
 
@@ -121,6 +125,40 @@ class BF16Hook:
         """Nothing to drain (same interface as CommState)."""
 
 
+class PostLocalSGD:
+    """PyTorch's post-local SGD: DDP's post_localSGD_hook (PostLocalSGDState) all-reduces the gradients for
+    the first `warmup_steps` steps and then none; PostLocalSGDOptimizer runs each worker's AdamW step, then
+    its PeriodicModelAverager averages the parameters in fp32 every `period` steps after the warm-up.
+
+    No gradient all-reduce after the warm-up (post_local_gradient_allreduce=False): the hook's default
+    all-reduces within each machine, and every lab worker is a machine of its own. warmup_steps 0, as
+    netgain.sync has none: PyTorch's example warms up for 100 steps of fp32 DDP, 1.6-8 s a step on this
+    job at 50-10 Mbit/s. Counts the fp32 bytes each step hands to all-reduce, as the other states do.
+    """
+
+    def __init__(self, ddp, optimizer, period: int, warmup_steps: int):
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        hook = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup_steps,
+                                 post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(hook, post_localSGD_hook)
+        self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+        self.optimizer = PostLocalSGDOptimizer(optimizer, self.averager)
+        self.fp32_bytes = 4 * sum(p.numel() for p in ddp.parameters())
+        self.last_step = {}
+
+    def step(self) -> None:
+        step, warmup, period = self.averager.step, self.averager.warmup_steps, self.averager.period
+        self.optimizer.step()
+        averaged = step >= warmup and (step - warmup) % period == 0  # PeriodicModelAverager's rule
+        self.last_step = {"wire_bytes": self.fp32_bytes * ((step < warmup) + averaged)}
+
+    def close(self) -> None:
+        """Nothing to drain (same interface as CommState)."""
+
+
 def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
     """(step, seconds) where the validation curve [(step, seconds, loss)] first reaches the target, interpolated."""
     for (s0, t0, l0), (s1, t1, l1) in zip(curve, curve[1:]):
@@ -130,9 +168,11 @@ def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
     return None
 
 
-def register(ddp, spec):
+def register(ddp, spec, optimizer):
     if spec is not None and spec[0] == "bf16-hook":
         return BF16Hook(ddp)
+    if spec is not None and spec[0] == "post-local":
+        return PostLocalSGD(ddp, optimizer, **spec[1])
     return register_contestant(ddp, spec)
 
 
@@ -174,6 +214,7 @@ def worker(args) -> None:
         numel = sum(p.numel() for p in model.parameters())
         spec = CONTESTANTS[label]
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        local = spec is not None and spec[0] in LOCAL_STEPS  # its state steps the optimizer
         if spec is not None and spec[0] == "sync":  # the model alone: its outer steps sync it
             import netgain.sync
 
@@ -181,7 +222,7 @@ def worker(args) -> None:
             synced = 0
         else:
             ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-            state = register(ddp, spec)
+            state = register(ddp, spec, optimizer)
         train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
         norms, plans = [], []  # the norm of the gradient each step applied (untimed), a planner's plan by step
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
@@ -190,7 +231,7 @@ def worker(args) -> None:
             dist.barrier()
             start = time.perf_counter()
             ddp(input_ids=ids, labels=ids).loss.backward()
-            (state if spec is not None and spec[0] == "sync" else optimizer).step()
+            (state if local else optimizer).step()
             step_times.append(time.perf_counter() - start)
             train_s += step_times[-1]
             norms.append(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm().item())
@@ -214,7 +255,7 @@ def worker(args) -> None:
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
-                if spec is None or spec[0] != "sync":  # a sync's steps skip the link: no yardstick for per-step routes
+                if not local:  # its steps skip the link: no yardstick for per-step routes
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
@@ -420,22 +461,26 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
             "--contestants", *contestants]
 
 
+def race_summary(mine: list[dict]) -> dict:
+    """One contestant's rounds in one cell: medians and min-max over rounds (shared with bench/fsdp_lab.py)."""
+    times = [r["time_to_target"] for r in mine]
+    reached = [r["steps_to_target"] for r in mine if r["reached"]]
+    return {"load": mine[0]["load"], "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
+            "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
+            "tta_after_first_s": statistics.median(r.get("time_to_target_after_first", math.inf) for r in mine),
+            "steady_step_s": statistics.median(r["steady_step_s"] for r in mine) if all(r.get("steady_step_s") for r in mine) else None,
+            "left_race": sum(bool(r.get("left_race")) for r in mine),
+            "steps_to_target": statistics.median(reached) if reached else None,
+            "samples_s": statistics.median(r["samples_s"] for r in mine),
+            "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
+            "final_loss": statistics.median(r["final_loss"] for r in mine)}
+
+
 def summarise(rows: list[dict], picks: dict) -> list[dict]:
     """Per cell and contestant: medians and min-max over rounds; time-to-target ratios per round vs every PyTorch hook."""
     out = []
     for rate, workers, label, mine, by_round in per_contestant(rows):
-        times = [r["time_to_target"] for r in mine]
-        reached = [r["steps_to_target"] for r in mine if r["reached"]]
-        row = {"rate": rate, "workers": workers, "contestant": label, "load": mine[0]["load"],
-               "target": mine[0]["target"], "reached": f"{len(reached)}/{len(mine)}",
-               "tta_s": statistics.median(times), "tta_min": min(times), "tta_max": max(times),
-               "tta_after_first_s": statistics.median(r.get("time_to_target_after_first", math.inf) for r in mine),
-               "steady_step_s": statistics.median(r["steady_step_s"] for r in mine) if all(r.get("steady_step_s") for r in mine) else None,
-               "left_race": sum(bool(r.get("left_race")) for r in mine),
-               "steps_to_target": statistics.median(reached) if reached else None,
-               "samples_s": statistics.median(r["samples_s"] for r in mine),
-               "wire_MB": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
-               "final_loss": statistics.median(r["final_loss"] for r in mine),
+        row = {"rate": rate, "workers": workers, "contestant": label, **race_summary(mine),
                "pick": picks.get((rate, workers), {}).get("label") == label}
         add_ratios(row, by_round, label, "time_to_target", PEERS)
         out.append(row)
@@ -485,7 +530,8 @@ def verdicts(summary: list[dict], picks: dict) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
+def plot(rows: list[dict], summary: list[dict], path: Path, baseline: str = "fp32 DDP") -> None:
+    """Per cell: time to target (bars) and validation loss vs time; `baseline`: whose loss at step T is the target."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -505,7 +551,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
                 bars.text(i, 0, "not reached", rotation=90, ha="center", va="bottom")
         bars.set_xticks(range(len(mine)), [s["contestant"] for s in mine], rotation=60, ha="right")
         bars.set_ylabel("time to target, s (median, min-max)")
-        bars.set_title(f"{rate}, {workers} workers: time to fp32 DDP's validation loss at its step T")
+        bars.set_title(f"{rate}, {workers} workers: time to {baseline}'s validation loss at its step T")
         for r in (r for r in rows if (r["rate"], r["workers"]) == (rate, workers)):
             _, seconds, losses = zip(*r["curve"])
             curves.plot(seconds, losses, color=colors[r["label"]], alpha=0.8, lw=1,

@@ -458,8 +458,8 @@ FSDP = ["--fsdp", "--replicas", "2", "--shards", "2"]
     ([*FSDP, "--world-size", "2"], "--world-size 2 differs from --replicas 2 x --shards 2 = 4: under --fsdp the "
      "world size is replicas x shards (leave --world-size out)"),
     (["--fsdp", "--replicas", str(4 * CPUS), "--shards", "2"], f"at most {4 * CPUS} local workers"),
-    *[([*FSDP, "--codec", codec], f"--codec {codec} does not run under --fsdp; choose one of none, fp16, bf16, qsgd, "
-       "gqsgd, gqsgd-exp") for codec in ("topk", "randomk", "kimad", "kimad+", "ddp", "ddp-fp16", "ddp-powersgd")],
+    *[([*FSDP, "--codec", codec], f"--codec {codec} does not run under --fsdp; choose one of auto, none, fp16, bf16, "
+       "qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank, kimad, kimad+") for codec in ("ddp", "ddp-fp16", "ddp-powersgd")],
 ])
 def test_bad_fsdp_setting_is_named(argv, message):
     with pytest.raises(ValueError) as error:
@@ -827,7 +827,7 @@ def test_frozen_peer_is_announced_and_ends_the_run(tmp_path, start_train):
     assert not any(map(alive, workers))
 
 
-def test_the_default_codec_is_auto_and_a_stateless_code_under_fsdp():
-    """No --codec: auto (the fastest route per bucket); under --fsdp, where auto does not run yet, gqsgd."""
+def test_the_default_codec_is_auto_with_or_without_fsdp():
+    """No --codec: auto (the fastest route per bucket); under --fsdp too, planned per shard position."""
     assert config("--task", "digits").codec == "auto"
-    assert config("--task", "digits", *FSDP).codec == "gqsgd"
+    assert config("--task", "digits", *FSDP).codec == "auto"

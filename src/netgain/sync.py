@@ -42,6 +42,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import numbers
+import time
 import types
 import zlib
 from collections import deque
@@ -183,7 +184,11 @@ class SyncOptimizer:
 
     Attributes: ``optimizer`` (the inner one, yours: schedulers and zero_grad go to it), ``config``,
     ``inner_steps``, ``comm`` (the codec pipeline's CommState: per-sync statistics in
-    ``comm.history``, the last in ``comm.last_step``) and ``process_group``.
+    ``comm.history``, the last in ``comm.last_step``), ``process_group``, and of the last `step()`
+    (or `wait()`): ``applied``, the pipeline's records of the averages it applied (most steps: none;
+    an average loaded from a checkpoint has none; the step is the schedule's, so every run has them
+    on the same steps), and ``wait_s``, the seconds it waited for them: the communication the inner
+    steps did not hide.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig,
@@ -201,6 +206,8 @@ class SyncOptimizer:
             raise RuntimeError("netgain.sync needs the process group up: call torch.distributed.init_process_group "
                                "first (torchrun sets its environment)")
         self.config, self.optimizer, self.inner_steps = config, optimizer, 0
+        self.applied: list[dict] = []
+        self.wait_s = 0.0
         # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
         check_same_config(types.SimpleNamespace(describe=lambda: {"sync": config.describe(), "model": _signature(named)}),
                           process_group)
@@ -234,8 +241,7 @@ class SyncOptimizer:
         fragment = self._due.get(self.inner_steps % self.config.period)
         if fragment is not None:
             self._launch(fragment)
-        while self._pending and self._pending[0].due <= self.inner_steps:
-            self._apply(self._pending.popleft())
+        self._apply_due(self.inner_steps)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -243,7 +249,12 @@ class SyncOptimizer:
 
     def wait(self) -> None:
         """Apply every average still on the wire now, e.g. after the last step (every rank at the same step)."""
-        while self._pending:
+        self._apply_due(float("inf"))
+
+    def _apply_due(self, step: float) -> None:
+        """Apply the averages due after inner step ``step``, in launch order; ``applied`` and ``wait_s`` say what."""
+        self.applied, self.wait_s = [], 0.0
+        while self._pending and self._pending[0].due <= step:
             self._apply(self._pending.popleft())
 
     @torch.no_grad()
@@ -257,9 +268,9 @@ class SyncOptimizer:
         done = self._executor.submit(self._average, fragment, ready, self.inner_steps)
         self._pending.append(_Sync(fragment, self.inner_steps + self.config.overlap_steps, done))
 
-    def _average(self, fragment: _Fragment, ready, step: int) -> None:
+    def _average(self, fragment: _Fragment, ready, step: int) -> dict:
         """On the sync thread: Δ becomes its mean over the ranks, through the codec (a CUDA decode is
-        finished on return: reduce_flat synchronizes the device)."""
+        finished on return: reduce_flat synchronizes the device); returns the pipeline's record of it."""
         try:
             with on_stream(self._stream, ready):
                 self.comm.reduce_flat(fragment.index, fragment.delta, fragment.layout)
@@ -269,12 +280,17 @@ class SyncOptimizer:
                                          f"{str(error).partition('; pass nonfinite')[0]}") from None
         finally:
             self.comm.end_step()
+        return self.comm.last_step
 
     @torch.no_grad()
     def _apply(self, sync: _Sync) -> None:
         """The outer Nesterov step on the fragment's global copy (torch.optim.SGD's arithmetic), then the
         local parameters from it."""
-        sync.done.result()  # the sync thread's error, the same on every rank
+        start = time.perf_counter()
+        record = sync.done.result()  # raises the sync thread's error, the same on every rank
+        self.wait_s += time.perf_counter() - start
+        if record is not None:
+            self.applied.append(record)
         fragment, config = sync.fragment, self.config
         average = fragment.delta
         fragment.momentum.mul_(config.outer_momentum).add_(average)

@@ -17,7 +17,7 @@ import torch
 
 from netgain.files import (MANIFEST_MAX_BYTES, WriteError, machine_memory_bytes, require_regular_file, same_file,
                            write_atomically)
-from netgain.train.config import TrainConfig, flag
+from netgain.train.config import SYNC_FIELDS, TrainConfig, flag
 from netgain.train.tasks import TASK_CLASSES
 
 CHECKPOINT_ID = "netgain_checkpoint"  # a unique id that netgain writes into every checkpoint it saves
@@ -30,7 +30,11 @@ MAX_CHECKPOINT_FILES = 10_000  # a '{step}' path with --checkpoint-every: one fi
 # RESUME_FIXED is refused by name (the model, the data stream or the codec state would not match).
 RESUME_APPLIED = ("lr", "batch_size", "data")
 RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_steps", "skip_1d", "rank", "factors",
-                "comm_budget_ms", "replan_every", "kimad_lowrank_rank", "hidden_size", "layers", "seq_len", "replicas", "shards")
+                "comm_budget_ms", "replan_every", "kimad_lowrank_rank", "hidden_size", "layers", "seq_len", "replicas", "shards",
+                *SYNC_FIELDS)
+# routes a checkpoint is written by, and why one does not resume on the other
+ROUTES = {"fsdp": "the model and optimizer are saved sharded under --fsdp and whole without",
+          "sync": "under --sync its comm state is netgain.sync's (outer state, every rank's parameters), else the hook's"}
 
 
 def check_checkpoint_paths(c: TrainConfig, checkpoint: dict | None) -> None:
@@ -73,10 +77,10 @@ def is_netgain_checkpoint(path: Path, sharded: bool) -> bool:
 def check_resume(c: TrainConfig, checkpoint: dict) -> None:
     """Refuse by name every setting that differs from the checkpoint (read_checkpoint's) and cannot be applied."""
     saved = checkpoint["config"]
-    if saved.get("fsdp", False) != c.fsdp:
-        raise ValueError(f"--resume {c.resume} was written " + ("with" if saved.get("fsdp") else "without")
-                         + " --fsdp, this run is " + ("with" if c.fsdp else "without") + " it: the model and "
-                         "optimizer are saved sharded under --fsdp and whole without")
+    for route, why in ROUTES.items():
+        if saved.get(route, False) != getattr(c, route):
+            raise ValueError(f"--resume {c.resume} was written " + ("with" if saved.get(route) else "without")
+                             + f" --{route}, this run is " + ("with" if getattr(c, route) else "without") + f" it: {why}")
     if checkpoint["world_size"] != c.world_size:
         raise ValueError(f"--resume {c.resume} was written by {checkpoint['world_size']} workers, "
                          f"this run has {c.world_size}: the codec state is per worker")
@@ -201,7 +205,7 @@ def _check_fields(checkpoint: dict, path: str) -> None:
     if fields["config"][1]:
         fields["config.warmup_steps"] = (config.get("warmup_steps"), config.get("warmup_steps") is None
                                          or _is_count(config.get("warmup_steps"), 0))
-        fields["config.fsdp"] = (config.get("fsdp"), type(config.get("fsdp", False)) is bool)
+        fields.update({f"config.{route}": (config.get(route), type(config.get(route, False)) is bool) for route in ROUTES})
     if CHECKPOINT_ID in checkpoint:
         fields[CHECKPOINT_ID] = (checkpoint[CHECKPOINT_ID], isinstance(checkpoint[CHECKPOINT_ID], str))
     bad = [f"{name} {reprlib.repr(value)}" for name, (value, ok) in fields.items() if not ok]

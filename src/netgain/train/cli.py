@@ -9,18 +9,19 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
+import netgain.sync
 from netgain import data, models
 from netgain.comm.emulate import link_rate
 from netgain.files import RUN_MARKER, claim_folder, in_bytes, machine_memory_bytes, require_regular_file, same_file
 from netgain.train import compare
 from netgain.train.checkpoints import (check_checkpoint_paths, check_resume, checkpoint_paths, read_checkpoint,
                                        resume_changes, verify_checkpoint)
-from netgain.train.config import TrainConfig, flag
+from netgain.train.config import SYNC_FIELDS, TrainConfig, flag, run_label
 from netgain.train.launch import launched_by_torchrun, spawn_workers
 from netgain.train.loop import SILENCE_NOTICE_S, train_worker
 from netgain.train.report import OUTPUT_FILES
@@ -30,12 +31,24 @@ TASKS = ("lm", "digits")
 DEFAULT_BATCH_SIZE = {"lm": 16, "digits": 32}  # per worker: sequences of --seq-len bytes, or images
 CODEC_CHOICES = comm.CODEC_NAMES + comm.baselines.BASELINES
 DEFAULT_CODEC = "auto"  # the fastest route per bucket at the measured link (why: --codec's help)
-DEFAULT_FSDP_CODEC = "gqsgd"  # under --fsdp, where auto does not run yet: at the --bits and --encoding defaults
 COLLECTIVE_TIMEOUT_S = 600  # default --collective-timeout: a dead peer ends the job instead of hanging it
 COLLECTIVE_TIMEOUT_RANGE = (1, 86_400)  # under 1 s the silence notice would fire every few ms; a day is plenty
 LOCAL_WORKERS_PER_CPU = 4  # --world-size cap for local spawn
 INT64_MAX = 2**63 - 1  # torch, numpy and the progress bar count in 64-bit integers: --steps 1e30 overflowed in the workers
 DEFAULT_WORLD_SIZE = 2
+# --sync's defaults. bench/results/time_to_accuracy_sync*_3w_*.md, the default lm job at 3 workers: outer lr 1 without
+# momentum (periodic averaging, coded), H=8 with 4-bit gqsgd, one step overlapped, reached fp32 DDP's loss at step 120
+# in 3 of 3 rounds at 10 Mbit/s and 1 of 1 at 50 Mbit/s (the fastest there; H=4 8-bit took 1.5x its time), where
+# DiLoCo's outer lr 0.7 and momentum 0.9 did not within 240 steps at H=4, 8 or 16 (3 rounds at 50 Mbit/s). The bench
+# ran AdamW lr 1e-3 on batches of 2 x 128 bytes per worker; this command's --lr and --batch-size defaults are not measured.
+DEFAULT_SYNC_CODEC = "gqsgd"
+DEFAULT_SYNC = {"sync_period": 8, "sync_bits": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 1}
+SYNC_CODECS = netgain.sync.CODECS
+SYNC_BITS_CODECS = tuple(name for name in SYNC_CODECS
+                         if "bits" in {f.name for f in fields(comm.config.CODEC_CONFIGS[name])})
+# options of the per-step codecs and of the DDP hook, which --sync leaves out: one given with --sync is refused
+PER_STEP_OPTIONS = ("bits", "encoding", "ratio", "warmup_steps", "skip_1d", "rank", "factors", "comm_budget_ms",
+                    "replan_every", "kimad_lowrank_rank")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", choices=CODEC_CHOICES, default=None,
                         help=f"netgain codec (default {DEFAULT_CODEC}: per bucket, the least communication plus codec time "
                         "at the link measured in the run, among none, bf16, fp16, gqsgd and low rank at --rank; on --resume "
-                        f"the checkpoint's; under --fsdp {DEFAULT_FSDP_CODEC} --bits 8: unbiased, summed by one allreduce); "
+                        f"the checkpoint's; under --fsdp the same, planned per shard position on the hop across replicas; under --sync "
+                        f"{DEFAULT_SYNC_CODEC}, the pseudo-gradients' code); "
                         "none: fp32, as plain DDP; kimad/kimad+ fit a time budget; ddp, ddp-fp16, ddp-powersgd are "
                         "PyTorch's own hooks, for comparison")
     parser.add_argument("--bits", type=int, default=8,
@@ -88,8 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="lm task: a text file or a folder of text files (default: the stdlib source)")
     parser.add_argument("--eval-every", type=int, default=50, help="validate every N steps, 0: only at the end")
     parser.add_argument("--out", help="output folder for record.json and loss.png, claimed by the run (a folder "
-                        "holding an earlier run's files is refused; default runs/<codec>-<time>, with a suffix if "
-                        "that folder exists)")
+                        "holding an earlier run's files is refused; default runs/<codec>-<time>, under --sync "
+                        "runs/sync-h<H>-<codec>-b<bits>-<time>, with a suffix if that folder exists)")
     parser.add_argument("--checkpoint", help="save model, optimizer, codec state and step here at the end "
                         "(and every --checkpoint-every steps); a '{step}' in the path is replaced by the step; "
                         "with --fsdp a torch.distributed.checkpoint folder")
@@ -107,9 +121,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"{SILENCE_NOTICE_S} s (or half this timeout)")
     parser.add_argument("--emulate-link", metavar="RATE",
                         help="emulate a slower link between the workers, e.g. 100mbit, 1gbit, 50Mb/s, 12MB/s: each "
-                        "collective of the gradient hook (netgain's codecs and ddp*) completes no earlier than its "
+                        "collective of the gradient hook (netgain's codecs and ddp*) or of --sync completes no earlier than its "
                         "bytes sent per rank / RATE after it began, one collective after another; step times and "
                         "fp32's prediction are then on this link, and say so")
+    parser.add_argument("--sync", action="store_true",
+                        help="train with netgain.sync instead of a per-step hook (no DDP): each worker takes --sync-period "
+                        "steps alone, then the workers average their pseudo-gradients (global minus local parameters) "
+                        f"through --codec ({', '.join(SYNC_CODECS)}; default {DEFAULT_SYNC_CODEC}) and an outer SGD applies "
+                        "the average (DiLoCo). Defaults H=8, 4 bits, outer lr 1, no momentum: on the bench's lm job (3 "
+                        "workers at 10 and 50 Mbit/s) they reached fp32 DDP's loss, where DiLoCo's outer lr 0.7 and momentum "
+                        "0.9 did not within 240 steps (docs/sync.md). Not with --fsdp or the per-step codecs' options")
+    parser.add_argument("--sync-period", type=int, metavar="H",
+                        help=f"--sync: inner steps between two syncs of a fragment, >= 1 (default {DEFAULT_SYNC['sync_period']})")
+    parser.add_argument("--sync-bits", type=int,
+                        help=f"--sync: the pseudo-gradients' bits, {bits.start}..{bits.stop - 1} "
+                        f"({', '.join(SYNC_BITS_CODECS)}; default {DEFAULT_SYNC['sync_bits']})")
+    parser.add_argument("--outer-lr", type=float,
+                        help=f"--sync: the outer SGD's learning rate, > 0 (default {DEFAULT_SYNC['outer_lr']:g}: the "
+                        "average replaces the parameters, as PyTorch's periodic averaging; DiLoCo's is 0.7)")
+    parser.add_argument("--outer-momentum", type=float,
+                        help=f"--sync: the outer momentum, in [0, 1), Nesterov when > 0 "
+                        f"(default {DEFAULT_SYNC['outer_momentum']:g}; DiLoCo's is 0.9)")
+    parser.add_argument("--fragments", type=int,
+                        help="--sync: parts of the model synced in turn, one every H / F steps, 1..H "
+                        f"(default {DEFAULT_SYNC['fragments']})")
+    parser.add_argument("--overlap-steps", type=int,
+                        help="--sync: inner steps a fragment's average spends on the wire before it is applied, 0..H-1 "
+                        "(default 1; 0 at H=1)")
     parser.add_argument("--compare", action="store_true",
                         help="after this run, run the same job (seed, steps, --emulate-link) with " +
                         " and ".join(compare.BASELINES) + " (PowerSGD at --rank), under --out/<codec>, and print "
@@ -141,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's settings, every one checked here in the parent, before any worker starts."""
+    check_route(args)
     world_size = resolve_world_size(args)
     batch_size = DEFAULT_BATCH_SIZE[args.task] if args.batch_size is None else args.batch_size
     if args.resume:  # read once for every check below, its bytes checked before any worker trusts them
@@ -148,19 +187,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         verify_checkpoint(args.resume)
     else:
         checkpoint = None
-    if args.codec is None:
-        args.codec = (checkpoint["config"].get("codec", DEFAULT_CODEC) if checkpoint else
-                      DEFAULT_FSDP_CODEC if args.fsdp else DEFAULT_CODEC)
-    warmup_steps = args.warmup_steps
-    if warmup_steps is None:  # the codec's default; on --resume the checkpoint's, which may predate that default
-        saved = checkpoint["config"].get("warmup_steps") if checkpoint else None
-        warmup_steps = comm.default_warmup_steps(args.codec) if saved is None else saved
+    args.codec = given_or_saved(args, checkpoint, "codec", DEFAULT_SYNC_CODEC if args.sync else DEFAULT_CODEC)
+    # the codec's default warm-up; on --resume the checkpoint's, which may predate that default
+    warmup_steps = given_or_saved(args, checkpoint, "warmup_steps", comm.default_warmup_steps(args.codec))
     config = TrainConfig(task=args.task, codec=args.codec, bits=args.bits, encoding=args.encoding,
                          ratio=args.ratio, warmup_steps=warmup_steps, skip_1d=args.skip_1d,
                          rank=args.rank, factors=args.factors,
                          comm_budget_ms=args.comm_budget_ms,
-                         replan_every=args.replan_every if args.replan_every is not None or not checkpoint
-                         else checkpoint["config"].get("replan_every"),
+                         replan_every=given_or_saved(args, checkpoint, "replan_every", None),
                          kimad_lowrank_rank=args.kimad_lowrank_rank, steps=args.steps,
                          batch_size=batch_size, lr=args.lr, world_size=world_size, fsdp=args.fsdp,
                          replicas=args.replicas, shards=args.shards, seed=args.seed,
@@ -168,7 +202,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          checkpoint_every=args.checkpoint_every, resume=args.resume,
                          hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
                          collective_timeout=args.collective_timeout, emulate_link=args.emulate_link,
-                         compare=args.compare)
+                         compare=args.compare, sync=args.sync, **(sync_settings(args, checkpoint) if args.sync else {}))
     for name in ("data", "out", "checkpoint", "resume", "emulate_link"):  # '' is a typo, never "not given"
         _require(getattr(args, name) != "", name, "must not be empty (leave the flag out instead)", "''")
     check_numbers(config)
@@ -177,13 +211,81 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_memory(config)
     check_data(config)
     check_emulation(config)
-    if checkpoint:  # first: a DDP checkpoint's codec (auto) would otherwise be refused as an FSDP codec
+    if checkpoint:  # first: a DDP checkpoint's codec (a DDP hook's) would otherwise be refused as an FSDP codec
         check_resume(config, checkpoint)
     if config.fsdp:
         check_fsdp(config, checkpoint)
+    if config.sync:
+        check_sync(config)
     if config.checkpoint:
         check_checkpoint_paths(config, checkpoint)
     return config
+
+
+def given_or_saved(args: argparse.Namespace, checkpoint: dict | None, name: str, default):
+    """An option left out (None) is the checkpoint's on --resume, where it has one, else ``default``."""
+    value = getattr(args, name)
+    if value is None and checkpoint:
+        value = checkpoint["config"].get(name)
+    return default if value is None else value
+
+
+def check_route(args: argparse.Namespace) -> None:
+    """--sync's options only with --sync, and none of the per-step route's with it (a value other than
+    its default would be silently ignored)."""
+    if not args.sync:
+        for name in SYNC_FIELDS:
+            if getattr(args, name) is not None:
+                raise ValueError(f"{flag(name)} applies with --sync only")
+        return
+    if args.fsdp:
+        raise ValueError("--fsdp does not run with --sync: netgain.sync keeps a whole replica on each worker "
+                         "(leave out --fsdp, --replicas and --shards)")
+    defaults = vars(_parser().parse_args([]))
+    for name in PER_STEP_OPTIONS:
+        if getattr(args, name) != defaults[name]:
+            raise ValueError(f"{flag(name)} is an option of the per-step route, not of --sync, which takes --codec "
+                             f"{', '.join(SYNC_CODECS)} and {', '.join(flag(f) for f in SYNC_FIELDS)}")
+
+
+def sync_settings(args: argparse.Namespace, checkpoint: dict | None) -> dict:
+    """--sync's SYNC_FIELDS: as given, else the checkpoint's on --resume, else DEFAULT_SYNC (why: its comment)."""
+    settings = {name: given_or_saved(args, checkpoint, name, default) for name, default in DEFAULT_SYNC.items()}
+    if args.codec not in SYNC_BITS_CODECS:  # none, fp16, bf16 take no bits
+        settings["sync_bits"] = args.sync_bits
+    settings["overlap_steps"] = given_or_saved(args, checkpoint, "overlap_steps", min(1, settings["sync_period"] - 1))
+    return settings
+
+
+def check_sync(c: TrainConfig) -> None:
+    """--sync's codec and settings, named as on the command line; netgain.sync's own checks last."""
+    if c.codec not in SYNC_CODECS:
+        raise ValueError(f"--codec {c.codec} does not run under --sync; choose one of {', '.join(SYNC_CODECS)} "
+                         "(a pseudo-gradient is averaged by all-reduce through a summable code without per-rank "
+                         "state; the planners, error feedback and PyTorch's hooks are per-step)")
+    _require(c.sync_period >= 1, "sync_period", "must be at least 1", c.sync_period)
+    _require(1 <= c.fragments <= c.sync_period, "fragments", f"must be in 1..{c.sync_period} (at most --sync-period: "
+             "one fragment is synced per step at most)", c.fragments)
+    _require(0 <= c.overlap_steps < c.sync_period, "overlap_steps", f"must be in 0..{c.sync_period - 1} (below "
+             "--sync-period: a fragment's average is applied before its next sync)", c.overlap_steps)
+    _require(math.isfinite(c.outer_lr) and c.outer_lr > 0, "outer_lr", "must be a finite number > 0", c.outer_lr)
+    _require(0 <= c.outer_momentum < 1, "outer_momentum", "must be in [0, 1)", c.outer_momentum)
+    bits = comm.codecs.BITS_RANGE
+    if c.codec in SYNC_BITS_CODECS:
+        _require(c.sync_bits in bits, "sync_bits", f"must be in {bits.start}..{bits.stop - 1}", c.sync_bits)
+    else:
+        _require(c.sync_bits is None, "sync_bits", f"applies to --codec {', '.join(SYNC_BITS_CODECS)} only, "
+                 f"not --codec {c.codec}", c.sync_bits)
+    import torch
+
+    with torch.device("meta"):
+        trainable = sum(1 for p in TASK_CLASSES[c.task].model_of(c).parameters() if p.requires_grad and p.numel())
+    _require(c.fragments <= trainable, "fragments", f"must be at most the model's {trainable} trainable parameters "
+             "(a fragment holds whole parameters)", c.fragments)
+    try:
+        c.sync_config()
+    except ValueError as error:
+        raise ValueError(f"--sync: {error}") from None
 
 
 def resolve_world_size(args: argparse.Namespace) -> int:
@@ -212,8 +314,7 @@ def check_fsdp(c: TrainConfig, checkpoint: dict | None) -> None:
     """The codecs that run on FSDP's cross-replica hop, and checkpoint folders that are netgain's to replace."""
     if c.codec not in comm_fsdp.CODECS:
         raise ValueError(f"--codec {c.codec} does not run under --fsdp; choose one of {', '.join(comm_fsdp.CODECS)} "
-                         "(topk/randomk keep per-rank EF21 buffers and auto/kimad/kimad+ plans that FSDP does not "
-                         "shard; ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
+                         "(ddp, ddp-fp16, ddp-powersgd are DDP hooks)")
 
 
 def check_emulation(c: TrainConfig) -> None:
@@ -326,7 +427,7 @@ def check_data(c: TrainConfig) -> None:
 def prepare_outputs(c: TrainConfig) -> TrainConfig:
     """Make --out (or a fresh default folder) and claim it for this run, after checking that it and
     --checkpoint's folder take files and that no checkpoint would land on --out or its files."""
-    out = Path(c.out) if c.out else _new_run_folder(c.codec)
+    out = Path(c.out) if c.out else _new_run_folder(run_label(asdict(c)))
     ours = {out: f"--out {out}", **{out / name: f"--out's {name}" for name in (RUN_MARKER, *OUTPUT_FILES)}}
     for path, step in checkpoint_paths(c, 0).items():
         clash = next((what for target, what in ours.items() if same_file(path, target)), None)
@@ -347,9 +448,9 @@ def prepare_outputs(c: TrainConfig) -> TrainConfig:
     return replace(c, out=str(out), run_id=claim_folder(out, "--out", OUTPUT_FILES))
 
 
-def _new_run_folder(codec: str) -> Path:
-    """runs/<codec>-<time>, with -2, -3... if a run started in the same second already made it."""
-    base = Path("runs") / f"{codec}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _new_run_folder(label: str) -> Path:
+    """runs/<codec>-<time> (config.run_label), with -2, -3... if a run started in the same second already made it."""
+    base = Path("runs") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     base.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", *(f"-{n}" for n in range(2, 1000))):
         try:
@@ -368,6 +469,13 @@ def _require_writable(folder: Path, flag: str) -> None:
             pass
     except OSError as error:
         raise ValueError(f"{flag}: cannot write to {folder} ({error.strerror or error})") from error
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`netgain train`'s options alone: their defaults, as a command line without them gets them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    configure(parser)
+    return parser
 
 
 def _require(ok: bool, name: str, rule: str, value) -> None:

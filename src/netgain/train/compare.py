@@ -14,16 +14,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from netgain.files import require_claimed, write_atomically
-from netgain.train.config import TrainConfig
+from netgain.train.config import SYNC_FIELDS, TrainConfig, run_label
 from netgain.train.report import COMPARE_FILE, FINAL_TRAIN_LOSS_WINDOW
 
 BASELINES = ("ddp", "ddp-powersgd")  # fp32 DDP (allreduce_hook), PowerSGD at --rank
 
 
 def baseline_configs(config: TrainConfig) -> list[TrainConfig]:
-    """The baselines' runs: the same job under --out/<codec>, no checkpoints, no further comparison."""
+    """The baselines' runs: the same job under --out/<codec>, per step (a --sync run's too), no checkpoints, no
+    further comparison."""
     return [replace(config, codec=codec, out=str(Path(config.out) / codec), run_id="", checkpoint=None,
-                    checkpoint_every=0, compare=False)
+                    checkpoint_every=0, compare=False, sync=False, **dict.fromkeys(SYNC_FIELDS))
             for codec in BASELINES if codec != config.codec]
 
 
@@ -42,7 +43,7 @@ def time_to_loss(per_step: dict, target: float) -> float | None:
 def comparison(records: list[dict]) -> dict:
     """The runs side by side; ratios are the first run's (netgain's) over each run's."""
     target = max(r["summary"]["final_train_loss"] for r in records)
-    runs = [{"codec": r["config"]["codec"], "out": r["config"]["out"], "step_s": r["summary"]["step_s"],
+    runs = [{"codec": run_label(r["config"]), "out": r["config"]["out"], "step_s": r["summary"]["step_s"],
              "time_to_loss_s": time_to_loss(r["per_step"], target),
              "final_val_loss": r["summary"].get("final_val_loss")} for r in records]
     first = runs[0]

@@ -1,4 +1,5 @@
-"""One worker's run: join the process group, train with the codec's hook, validate, checkpoint, report."""
+"""One worker's run: join the process group, train with the codec's hook (or --sync's outer steps), validate,
+checkpoint, report."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import netgain.comm as comm
 import netgain.comm.fsdp as comm_fsdp
+import netgain.sync
 from netgain.comm import kernel
 from netgain.comm.emulate import EmulatedLink
 from netgain.train.checkpoints import (finish_sharded_checkpoint, read_checkpoint, read_sharded_checkpoint,
@@ -30,6 +32,7 @@ from netgain.train.report import report
 from netgain.train.tasks import TASK_CLASSES
 
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
+SUMMED_STATISTICS = COMM_STATISTICS[1:]  # --sync: over the averages the step applied
 BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and bucket: what the link fit reads
 ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "link_comm_s", "plan", "plan_fits",
                        "climbing")  # per step, kimad only
@@ -126,8 +129,10 @@ class Trainer:
         self.task = TASK_CLASSES[config.task](config)
         torch.manual_seed(config.seed)  # identical initialisation on every rank
         self.module = self.task.build_model().to(device)  # what evaluation and the report see
-        codec = dict(bits=config.bits, encoding=config.encoding, rank=config.rank, factors=config.factors,
-                     warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed)
+        codec = dict(bits=config.bits, encoding=config.encoding, ratio=config.ratio, rank=config.rank,
+                     factors=config.factors, warmup_steps=config.warmup_steps, skip_1d=config.skip_1d, seed=config.seed,
+                     budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
+                     lowrank_rank=config.kimad_lowrank_rank)  # the planners' (auto, kimad), with or without --fsdp
         if config.fsdp:  # FSDP2 inside each replica; the codec on the all-reduce across replicas
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -138,19 +143,26 @@ class Trainer:
                 fully_shard(block, mesh=mesh[comm_fsdp.SHARD])
             self.model = fully_shard(self.module, mesh=mesh[comm_fsdp.SHARD])
             self.comm_state = comm_fsdp.register(self.model, mesh, config.codec, **codec)
+        elif config.sync:  # inner steps are local: DDP would all-reduce every gradient
+            self.model = self.module
         else:
             self.model = DistributedDataParallel(self.module, device_ids=[device] if device.type == "cuda" else None)
             if config.codec in comm.baselines.BASELINES:
                 self.comm_state = comm.baselines.register(self.model, config.codec, rank=config.rank,
                                                           warmup_steps=config.warmup_steps)
             else:
-                self.comm_state = comm.register(self.model, config.codec, ratio=config.ratio,
-                                                budget_ms=config.comm_budget_ms, replan_every=config.replan_every,
-                                                lowrank_rank=config.kimad_lowrank_rank,
-                                                **codec)
-        if config.emulate_link:  # netgain's pipeline hands it to its Communicator, made at the first bucket
-            self.comm_state.link = EmulatedLink(config.emulate_link)
+                self.comm_state = comm.register(self.model, config.codec, **codec)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        # comm_state: what checkpoints save and the end closes; stats: where each step's statistics and the link
+        # live; stepper: what steps the parameters. Under --sync the first and last are the SyncOptimizer
+        # around the optimizer, and the statistics its codec pipeline's, one record per sync.
+        if config.sync:
+            self.comm_state = netgain.sync.wrap(self.module, self.optimizer, config.sync_config())
+            self.stats, self.stepper = self.comm_state.comm, self.comm_state
+        else:
+            self.stats, self.stepper = self.comm_state, self.optimizer
+        if config.emulate_link:  # netgain's pipeline hands it to its Communicator, made at the first bucket
+            self.stats.link = EmulatedLink(config.emulate_link)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
 
     def train(self) -> None:
@@ -170,7 +182,7 @@ class Trainer:
                                          "diverged (a lower --lr?)")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            self.optimizer.step()
+            self.stepper.step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - start
@@ -180,12 +192,13 @@ class Trainer:
             history["compiled"].append(kernel.compiled_kernels() > compiled_before or kernel.compiling())
             history["time_unix"].append(time.time())
             history["train_loss"].append(loss.item())
+            statistics = self.step_statistics()
             adaptive = ADAPTIVE_STATISTICS if c.codec in comm.ADAPTIVE_MODES else ()
             for key in COMM_STATISTICS + adaptive:
-                history.setdefault(key, []).append(self.comm_state.last_step.get(key))
-            history.setdefault("buckets", []).append(  # PyTorch's hooks (ddp*) time no bucket: []
+                history.setdefault(key, []).append(statistics.get(key))
+            history.setdefault("buckets", []).append(  # PyTorch's hooks (ddp*) and --sync time no bucket: []
                 [{key: record[key] for key in BUCKET_STATISTICS}
-                 for record in self.comm_state.last_step.get("per_bucket", [])])
+                 for record in statistics.get("per_bucket", [])])
             bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{samples_per_step / step_s:.0f}", refresh=False)
             done = step + 1
             if c.eval_every and done % c.eval_every == 0 and done < c.steps:
@@ -198,6 +211,14 @@ class Trainer:
             resumed = ({"checkpoint": c.resume, "step": self.start_step, "applied": resume_changes(c)}
                        if c.resume else None)
             report(c, self.world_size, history, validations, self.device, self.module, resumed)
+
+    def step_statistics(self) -> dict:
+        """This step's communication: the hook's; under --sync that of the averages the step applied (on most
+        steps none: a sync's bytes count at the step that applies it), summed, and the time it waited for them."""
+        if not self.config.sync:
+            return self.stats.last_step
+        applied = self.stepper.applied
+        return {"wait_s": self.stepper.wait_s, **{key: sum(r[key] for r in applied) for key in SUMMED_STATISTICS}}
 
     def evaluate(self) -> dict:
         self.progress.beat("validating")
@@ -212,7 +233,8 @@ class Trainer:
         return (total / self.world_size).tolist()
 
     def save_checkpoint(self, path: str, step: int) -> None:
-        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective).
+        """Rank 0 writes; the comm state holds every rank's codec state (state_dict is collective), under --sync
+        also every rank's own parameters and optimizer state (the model and optimizer saved beside it: rank 0's).
 
         --fsdp: every rank writes its shards into a new DCP folder, rank 0 adds the manifest. Both replace
         `path` only when complete (checkpoints.write_checkpoint, finish_sharded_checkpoint).
@@ -250,7 +272,8 @@ class Trainer:
         return {"model": model, "optimizer": optimizer, "comm": self.comm_state}
 
     def load_checkpoint(self, path: str) -> int:
-        """build_config has checked the checkpoint against this run; --lr replaces the saved rate."""
+        """build_config has checked the checkpoint against this run; --lr replaces the saved rate. Under --sync the
+        comm state, loaded last, gives each rank its own parameters and optimizer state."""
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 

@@ -21,6 +21,7 @@ from netgain.comm.emulate import emulated_link
 from netgain.cost import network as net
 from netgain.files import require_claimed, write_atomically
 from netgain.train.config import TrainConfig
+from netgain.train.tasks import FP32_BYTES
 
 COMPARE_FILE = "compare.json"  # --compare's, in the main run's --out
 OUTPUT_FILES = ("record.json", "loss.png", "adaptive.png", COMPARE_FILE)  # what a run writes under --out
@@ -41,7 +42,8 @@ def report(config: TrainConfig, world_size: int, history: dict, validations: lis
               "validation": validations, "git": git_state(), "host": host_info(device, world_size)}
     write_atomically(out / "record.json", lambda f: f.write(json.dumps(record, indent=1).encode()))
     plot_losses(history, validations, out / "loss.png",
-                f"{config.task}, codec {config.codec}" + (f", fsdp {config.replicas}x{config.shards}" if config.fsdp else ""))
+                f"{config.task}, codec {config.codec}" + (f", fsdp {config.replicas}x{config.shards}" if config.fsdp else "")
+                + (f", sync every {config.sync_period} steps" if config.sync else ""))
     written = [out / "record.json", out / "loss.png"]
     if config.codec in comm.ADAPTIVE_MODES:
         plot_adaptive(history, out / "adaptive.png", f"{config.codec}, {world_size} workers")
@@ -56,11 +58,16 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
     without the steps in which a codec kernel compiled (its codecs ran eagerly while torch.compile worked in
     the background, or waited for it); and fp32's step
     time on this run's link as netgain's cost model predicts it from the measured compute. Under
-    --emulate-link that link has the emulated rate (and the per-bucket overhead fitted to the run)."""
+    --emulate-link that link has the emulated rate (and the per-bucket overhead fitted to the run).
+    Under --sync the bytes are per step over every step (a sync's land on one step in H), fp32's are
+    what fp32 DDP sends every step, and fp32's step is not predicted: no bucket is timed every step."""
     steps = len(history["step_s"])
     timed = [i for i in range(1, steps) if not history["compiled"][i]] or list(range(steps))
-    step_s, wait_s, wire, raw = (_mean([history[key][i] for i in timed])
-                                 for key in ("step_s", "wait_s", "wire_bytes", "raw_bytes"))
+    step_s, wait_s = (_mean([history[key][i] for i in timed]) for key in ("step_s", "wait_s"))
+    if config.sync:
+        wire, raw = _mean(history["wire_bytes"]), FP32_BYTES * models.parameter_count(model)
+    else:
+        wire, raw = (_mean([history[key][i] for i in timed]) for key in ("wire_bytes", "raw_bytes"))
     hop_size = config.replicas if config.fsdp else world_size  # the ranks the codec's collectives span
     link = fit_link([history["buckets"][i] for i in timed], hop_size)
     emulated = emulated_link(config.emulate_link) if config.emulate_link else None
@@ -72,6 +79,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
     summary = {
         "task": config.task,
         "codec": config.codec,
+        "route": config.route(),
         "world_size": world_size,
         **({"fsdp_mesh": f"{config.replicas} replicas x {config.shards} shards"} if config.fsdp else {}),
         **({"emulated_link": config.emulate_link, "emulated_link_Bps": emulated.bandwidth} if emulated else {}),
@@ -90,7 +98,7 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
         "final_train_loss": _mean(history["train_loss"][-FINAL_TRAIN_LOSS_WINDOW:]),
         **{f"final_{key}": value for key, value in final.items() if key != "step"},
     }
-    summary["versus_fp32"] = versus_fp32(summary, hop_size, config.fsdp)
+    summary["versus_fp32"] = versus_fp32(summary, hop_size, config.fsdp, config.sync)
     return summary
 
 
@@ -113,7 +121,7 @@ def _collective(codec: str) -> str:
     return comm.make_codec(codec.split("(")[0].strip()).collective
 
 
-def versus_fp32(summary: dict, hop_size: int, fsdp: bool) -> list[str]:
+def versus_fp32(summary: dict, hop_size: int, fsdp: bool, sync: bool = False) -> list[str]:
     """The run against fp32 in words: wire bytes per step, and the measured step beside fp32's predicted one."""
     if hop_size == 1:
         return [f"no communication ({'1 replica' if fsdp else '1 worker'}): nothing for a codec to compress, "
@@ -124,7 +132,8 @@ def versus_fp32(summary: dict, hop_size: int, fsdp: bool) -> list[str]:
     on = f" on emulated {emulated}" if emulated else ""
     step = f"step {summary['step_s']:.3g} s measured{on}"
     if summary["predicted_fp32_step_s"] is None:
-        predicted = "fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"
+        predicted = ("fp32 not predicted (" + ("--sync has no per-step collective" if sync else
+                                               "PyTorch's hooks time no collective") + ": no link to fit)")
     else:
         rate = bandwidth.in_words(summary["link_bandwidth_Bps"], "Mbit/s" if emulated else "MB/s")
         predicted = (f"fp32 {summary['predicted_fp32_step_s']:.3g} s predicted{on or ' on this link'} ("
