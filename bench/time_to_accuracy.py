@@ -208,7 +208,8 @@ def worker(args) -> None:
               may_leave: bool = False) -> dict:
         """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target.
         seed: the batches'; with --seed-per-round also the initial model's (else seed 0's). may_leave: leave the
-        race once the steady step (median of steps 1-10, the slowest rank's) is over --leave-above x the cell's best."""
+        race once the steady step (median of steps 1-10, the mean for local-step routes, whose averages it
+        includes; the slowest rank's) is over --leave-above x the cell's best."""
         torch.manual_seed(seed if args.seed_per_round else 0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         numel = sum(p.numel() for p in model.parameters())
@@ -250,8 +251,8 @@ def worker(args) -> None:
                 eval_s += time.perf_counter() - start
                 if target is not None and curve[-1][2] <= target:
                     break
-            if len(step_times) == FIRST_STEPS + 1:
-                steady = torch.tensor(statistics.median(step_times[1:]))
+            if len(step_times) == FIRST_STEPS + 1:  # a periodic average is part of a local-step route's steady step
+                steady = torch.tensor((statistics.mean if local else statistics.median)(step_times[1:]))
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
