@@ -1,31 +1,45 @@
-"""HSDP on the lab: 2 "nodes" x 2 workers, the inter-node link throttled, fp32 vs Global-QSGD across nodes.
+"""Time to a target validation loss for HSDP on the two-node lab: FSDP2's own HSDP against netgain on the slow hop.
 
-Why: hybrid sharding sends its reduce-scatter and all-gather over the fast link inside a node
-and only the cross-replica all-reduce over the slow link between nodes, which is the hop
-netgain.comm.fsdp compresses. The lab (lab.py) puts every worker in its own namespace on one
-bridge. Here workers 0, 1 (node A) stay on that bridge and workers 2, 3 (node B) move to a
-second one, and the two bridges are joined by one veth pair with a tbf on both ends. So only
-inter-node traffic is shaped, and both cross-node pairs share the one link, as on real nodes.
+Why: compressing hybrid sharding's cross-node all-reduce (netgain.comm.fsdp) must get a real model to
+a given loss sooner, not only make a step faster. The job: netgain's byte-level Llama (`--layers`
+decoder layers) on the Python standard library's source (`netgain train`'s corpus, every 10th file
+held out), AdamW; each decoder layer and the root one FSDP2 group. 4 processes, 2 "nodes" x 2
+workers, mesh (replicate, shard) = (2, 2): rank = 2 * node + worker, so the shard groups {0, 1},
+{2, 3} stay inside a node and the replicate groups {0, 2}, {1, 3} cross the link.
 
-Mesh (replicate, shard) = (2, 2): rank = 2 * replica + shard, so the shard groups {0, 1}, {2, 3}
-stay inside a node and the replicate groups {0, 2}, {1, 3} cross the link. The workers start
-once and build every contestant's copy of the same model; each contestant trains its copy on the
-same data stream, --steps at a time, round after round (A B C A B C ...), so each trains
-rounds x steps in all (after --warmup untimed steps) while all of them see the machine and link
-in the same states. Step time = the median of each round's steps, reported as the median
-(min-max) over rounds; loss = the mean over ranks, on each step's fresh batch (the data are
-endless, so it is also a held-out loss), averaged over the last 10 steps of each round.
-Contestants: native-fp32 (FSDP's own HSDP over the 2-D mesh, no netgain), and netgain.comm.fsdp
-with none (fp32 through the hook), gqsgd 8-bit and 4-bit (packed).
+The lab (lab.py) puts every worker in its own namespace on one bridge. Here node B's workers move to
+a second bridge, joined to the first by one veth pair with a tbf on both ends: only inter-node
+traffic is shaped, and both cross-node pairs share the one link, as on real nodes.
 
-    python bench/fsdp_lab.py --rate 100mbit --rounds 3 --steps 40     # root
-Writes OUT.md and OUT.json (OUT defaults to bench/results/fsdp_lab).
+Contestants: native-fp32 and native-bf16 are FSDP2's own HSDP (fully_shard over the 2-D mesh), the
+latter with MixedPrecisionPolicy(reduce_dtype=bfloat16), so its reduce-scatter and cross-node
+all-reduce run in bf16. The others shard over mesh["shard"] and send the cross-node all-reduce
+through netgain.comm.fsdp.register with the codec of bench/time_to_accuracy.py's contestant of the
+same name; one that `register` refuses (auto or kimad where it does not plan under FSDP) is skipped
+with a note.
+
+The race is bench/time_to_accuracy.py's with --seed-per-round: round r trains from seed + r (initial
+model and batches); native-fp32 runs first for T (`--target-step`) steps, and its validation loss
+at step T is the round's target (with `--targets`, given, and native-fp32 races last). Then each
+contestant in turn trains the round's model until a validation reaches the target, at most
+`--cap` x T steps, and at least `--budget` steps (default T), so that every contestant's
+validation loss after the same number of steps is reported too. Time to target: the step times
+(validations excluded) up to the crossing, interpolated between validations. A contestant whose
+steady step is over `--leave-above` x the best so far leaves the race. The workers start once per
+rate; every contestant trains `--warmup` throwaway steps first.
+
+    python bench/fsdp_lab.py --rates 50mbit 100mbit                          # root: the grid
+    python bench/fsdp_lab.py --rates 1gbit --rounds 1 --target-step 10 --out /tmp/fsdp_smoke
+
+Writes OUT.md, OUT.csv, OUT.json and OUT.png (OUT defaults to bench/results/fsdp_lab_tta);
+`--report-from OUT.json` rewrites the others from a finished run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -37,11 +51,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-# label -> the netgain codec on the cross-node hop; None: FSDP's native HSDP (fully_shard over the 2-D mesh)
-CONTESTANTS = {"native-fp32": None, "fp32": ("none", {}), "gqsgd-8": ("gqsgd", {"bits": 8}),
-               "gqsgd-4": ("gqsgd", {"bits": 4})}
+import time_to_accuracy as tta  # noqa: E402
+from hook_lab import add_ratios, format_ratio, per_contestant  # noqa: E402
+
 NODES, PER_NODE = 2, 2
-LOSS_WINDOW = 10  # a round's loss: the mean of its last 10 steps (one step's batch is noise)
+BASELINE = "native-fp32"  # sets each round's target
+# label -> ("native", FSDP's reduce dtype) or time_to_accuracy's ("netgain", codec, options)
+CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloat16"),
+               **{label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] == "netgain"}}
+DEFAULT_CONTESTANTS = [BASELINE, "native-bf16", "gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto"]
+PEERS = ((BASELINE, "x_fp32"), ("native-bf16", "x_bf16"))  # ratio columns: the peer's time to target / the contestant's
+PEER_TITLES = {"x_fp32": "x native fp32", "x_bf16": "x native bf16"}
+
+
+class Refused(Exception):
+    """netgain.comm.fsdp.register refused the contestant's codec (a planner it does not run under FSDP)."""
 
 
 # ---------------------------------------------------------------- one worker (inside the lab)
@@ -51,74 +75,130 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import netgain.comm.fsdp as fsdp
+    from netgain import data, models
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # 4 workers on this machine's cores
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(123)
-    teacher = torch.nn.Linear(args.width, args.width)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=(fsdp.REPLICATE, fsdp.SHARD))
+    corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
+    validation = corpus.validation_batches(args.eval_batches, args.eval_batch_size, args.seq_len)[rank::world]
 
-    def batch(step):
-        x = torch.randn(args.batch_size, args.width, generator=torch.Generator().manual_seed(10_000 * rank + step))
-        with torch.no_grad():
-            return x, torch.tanh(teacher(x))
-
-    def build(label: str):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[m for _ in range(args.layers)
-                                      for m in (torch.nn.Linear(args.width, args.width), torch.nn.Tanh())])
+    def build(label: str, seed: int):
+        """The round's initial model, sharded as the contestant runs HSDP; (model, netgain's state or None)."""
+        torch.manual_seed(seed)
+        model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         spec = CONTESTANTS[label]
-        over = mesh if spec is None else mesh["shard"]
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=over)
-        fully_shard(model, mesh=over)
-        state = None if spec is None else fsdp.register(model, mesh, spec[0], **spec[1])
-        return {"model": model, "state": state, "optimizer": torch.optim.Adam(model.parameters(), lr=args.lr),
-                "step": 0}
+        native = spec[0] == "native"
+        shard = ({"mesh": mesh, "mp_policy": MixedPrecisionPolicy(reduce_dtype=getattr(torch, spec[1]))} if native
+                 else {"mesh": mesh[fsdp.SHARD]})
+        for layer in model.model.layers:
+            fully_shard(layer, **shard)
+        fully_shard(model, **shard)
+        if native:
+            return model, None
+        try:
+            return model, fsdp.register(model, mesh, spec[1], **spec[2])
+        except ValueError as error:
+            raise Refused(str(error)) from error
 
-    def train(contestant: dict, steps: int) -> tuple[list[float], list[float], float]:
-        """`steps` more steps of this contestant: their seconds, their losses (this rank), wire MB per step."""
-        model, state, optimizer = contestant["model"], contestant["state"], contestant["optimizer"]
-        times, losses, wire = [], [], []
-        for _ in range(steps):
-            x, y = batch(contestant["step"])
+    def validate(model) -> float:
+        """Mean loss over the fixed validation batches, each rank an equal share (FSDP's forward is collective)."""
+        model.eval()
+        with torch.no_grad():
+            total = torch.tensor([sum(model(input_ids=b, labels=b).loss.item() for b in validation),
+                                  len(validation)], dtype=torch.float64)
+        model.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    best_steady = [math.inf]  # the fastest steady step so far at this rate, agreed by every rank
+
+    def train(label: str, steps: int, seed: int, target: float | None = None, evaluate: bool = True,
+              may_leave: bool = False) -> dict:
+        """Up to `steps` steps of a fresh model, stopping at the first validation <= target once past --budget steps."""
+        began = time.perf_counter()
+        model, state = build(label, seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
+        native_wire = None if state is not None else (getattr(torch, CONTESTANTS[label][1]).itemsize
+                                                      * sum(p.to_local().numel() for p in model.parameters()))
+        train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
+        curve = [(0, 0.0, validate(model))] if evaluate else []  # (step, train seconds, validation loss)
+        for step in range(steps):
+            ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
             start = time.perf_counter()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
+            step_times.append(time.perf_counter() - start)
+            train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-            wire.append(state.last_step["wire_bytes"] if state else 4 * sum(p.to_local().numel()
-                                                                             for p in model.parameters()))
-            contestant["step"] += 1
-        return times, losses, statistics.mean(wire) / 1e6
+            wire.append(native_wire if state is None else state.last_step["wire_bytes"])
+            if evaluate and (step + 1) % args.eval_every == 0:
+                start = time.perf_counter()
+                curve.append((step + 1, train_s, validate(model)))
+                eval_s += time.perf_counter() - start
+                if target is not None and curve[-1][2] <= target and step + 1 >= args.budget:
+                    break
+            if len(step_times) == tta.FIRST_STEPS + 1:
+                steady = torch.tensor(statistics.median(step_times[1:]))
+                dist.all_reduce(steady, dist.ReduceOp.MAX)
+                steady = steady.item()
+                left = may_leave and steady > args.leave_above * best_steady[0]
+                best_steady[0] = min(best_steady[0], steady)
+                if left:
+                    break
+        if state is not None:
+            state.close()
+        return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
+                "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire,
+                "steady_step_s": steady, "left_race": left, "train_s": train_s, "eval_s": eval_s,
+                "wall_s": time.perf_counter() - began, "wire_bytes": statistics.mean(wire),
+                "samples_s": len(wire) * args.batch_size * world / train_s}
 
-    contestants = {label: build(label) for label in args.contestants}
-    for contestant in contestants.values():
-        train(contestant, args.warmup)
-    rows = []
+    skipped, racing = {}, []
+    for label in args.contestants:  # compile, first allocations: untimed, discarded
+        try:
+            train(label, args.warmup, args.seed, evaluate=False)
+            racing.append(label)
+        except Refused as error:
+            skipped[label] = str(error)
+            if rank == 0:
+                print(f"skipping {label}: netgain.comm.fsdp.register refused it: {error}", flush=True)
+    rows, target = [], None
     for round_ in range(args.rounds):
-        for label, contestant in contestants.items():
-            times, losses, wire_mb = train(contestant, args.steps)
-            mean_losses = torch.tensor(losses, dtype=torch.float64)
-            dist.all_reduce(mean_losses)
-            mean_losses = (mean_losses / dist.get_world_size()).tolist()
-            rows.append({"label": label, "round": round_, "last_step": contestant["step"],
-                         "step_s": statistics.median(times), "steps_s": times, "losses": mean_losses,
-                         "loss": statistics.mean(mean_losses[-LOSS_WINDOW:]), "wire_MB": wire_mb,
-                         "numel": sum(p.numel() for p in contestant["model"].parameters())})
-    for contestant in contestants.values():
-        if contestant["state"] is not None:
-            contestant["state"].close()
+        seed = args.seed + round_
+        for label in racing:
+            if args.targets:
+                target = args.targets[min(round_, len(args.targets) - 1)]
+                row = train(label, args.cap * args.target_step, seed, target, may_leave=True)
+            elif label == BASELINE:  # the round's target: its validation at step T
+                row = train(label, max(args.target_step, args.budget), seed)
+                target = dict((s, loss) for s, _, loss in row["curve"])[args.target_step]
+            else:
+                row = train(label, args.cap * args.target_step, seed, target, may_leave=True)
+            first = tta.crossing(row["curve"], target)
+            first_s = sum(row["step_times"][:tta.FIRST_STEPS])
+            row.update(round=round_, seed=seed, target=target, reached=first is not None,
+                       final_loss=row["curve"][-1][2],
+                       budget_loss=dict((s, loss) for s, _, loss in row["curve"]).get(args.budget),
+                       steps_to_target=first and first[0], time_to_target=first[1] if first else math.inf,
+                       time_to_target_after_first=first[1] - first_s if first and first[0] > tta.FIRST_STEPS
+                       else math.inf)
+            rows.append(row)
+            if rank == 0:
+                outcome = (f"target {target:.4f} at step {first[0]:.1f}, {first[1]:.1f} s" if first else
+                           f"left the race: steady step {row['steady_step_s']:.3f} s" if row["left_race"] else
+                           f"val {row['final_loss']:.4f} > target {target:.4f} after {row['steps']} steps")
+                print(f"round {round_} {label}: {outcome}; {row['steps']} steps, {row['train_s']:.1f} s training, "
+                      f"{row['eval_s']:.1f} s validating, {row['wall_s']:.1f} s in all, "
+                      f"{row['wire_bytes'] / 1e6:.3f} MB/step/rank across nodes", flush=True)
     if rank == 0:
-        Path(args.worker_out).write_text(json.dumps(rows))
+        Path(args.worker_out).write_text(json.dumps({"rows": rows, "skipped": skipped}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -144,93 +224,181 @@ def join_nodes(lab, rate: str) -> None:
                  f"{int(rate_bps)}bit", "burst", str(tbf_burst_bytes(rate_bps)), "latency", "100ms"])
 
 
-def run(args) -> tuple[list[dict], float, float]:
-    """The contestants' rows, and the load average before and after."""
+def lab_cell(rate: str, args) -> tuple[list[dict], dict, float]:
+    """Wait (up to --quiet-wait) for a quiet machine, then race every contestant on a two-node lab at `rate`:
+    the rows (tagged with the rate and load), the contestants register refused, the load waited for."""
     from lab import Lab
     from provenance import wait_for_quiet
 
-    load = wait_for_quiet(wait_s=args.wait_s)
+    load = wait_for_quiet(wait_s=args.quiet_wait)
     with tempfile.TemporaryDirectory(prefix="netgain-fsdp-lab-") as folder:
         out = Path(folder) / "rows.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
                *worker_flags(args)]
         with Lab(NODES * PER_NODE, None) as lab:
-            join_nodes(lab, args.rate)
-            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1"}, timeout=900)
+            join_nodes(lab, rate)
+            codes = lab.run(cmd, extra_env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=4 * 3600)
         if any(codes):
-            raise RuntimeError(f"lab workers failed with exit codes {codes}")
-        rows = json.loads(out.read_text())
-    return rows, load, os.getloadavg()[0]
+            raise RuntimeError(f"lab workers failed with exit codes {codes} at {rate}")
+        result = json.loads(out.read_text())
+    for row in result["rows"]:
+        row.update(rate=rate, load=load)
+    return result["rows"], result["skipped"], load
 
 
 def worker_flags(args) -> list[str]:
-    return ["--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--batch-size", str(args.batch_size), "--width", str(args.width), "--layers", str(args.layers),
-            "--lr", str(args.lr), "--contestants", *args.contestants]
+    return ["--rounds", str(args.rounds), "--target-step", str(args.target_step), "--cap", str(args.cap),
+            "--budget", str(args.budget), "--eval-every", str(args.eval_every),
+            "--eval-batches", str(args.eval_batches), "--eval-batch-size", str(args.eval_batch_size),
+            "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hidden", str(args.hidden),
+            "--layers", str(args.layers), "--leave-above", str(args.leave_above),
+            *(["--targets", *map(str, args.targets)] if args.targets else []), "--contestants", *args.contestants]
 
 
-def report(rows: list[dict], meta: dict, out: Path) -> None:
+# ---------------------------------------------------------------- the report
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per rate and contestant: time_to_accuracy's medians over rounds, the loss at the budget, ratios to native HSDP."""
+    out = []
+    for rate, workers, label, mine, by_round in per_contestant(rows):
+        budget = [r["budget_loss"] for r in mine]
+        row = {"rate": rate, "workers": workers, "contestant": label, **tta.race_summary(mine),
+               "budget_loss": None if None in budget else statistics.median(budget),
+               "round_wall_s": statistics.median(r["wall_s"] for r in mine)}
+        add_ratios(row, by_round, label, "time_to_target", PEERS)
+        out.append(row)
+    return out
+
+
+def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None:
+    from provenance import write_csv
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    rounds = sorted({r["round"] for r in rows})
-    ends = [next(r["last_step"] for r in rows if r["round"] == k) for k in rounds]
-    lines = [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`; "
-             f"load average (1 min) {meta['load_before']:.2f} before, {meta['load_after']:.2f} after.",
-             f"Model: {meta['layers']} x Linear({meta['width']}, {meta['width']}) + tanh ({rows[0]['numel'] / 1e6:.2f} M "
-             f"parameters), each Linear one FSDP group, regressing a fixed random tanh(Linear) teacher on fresh "
-             f"Gaussian batches of {meta['batch_size']} per worker; Adam lr {meta['lr']}. Each contestant trains one "
-             f"model: {meta['warmup']} untimed steps, then {meta['rounds']} rounds of {meta['steps']} steps, the "
-             "contestants interleaved within each round. Inter-node link: one veth pair between the nodes' "
-             f"bridges, tbf {meta['rate']} each way; intra-node traffic unshaped.", "",
-             "Step time: the median of each round's steps, then the median (min-max) over rounds. Loss: mean over "
-             f"the 4 ranks, averaged over the last {LOSS_WINDOW} steps of the round (every batch is fresh data).", "",
-             "| contestant | step s, median (min-max) | x native fp32 HSDP | "
-             + " | ".join(f"loss, steps {e - LOSS_WINDOW + 1}-{e}" for e in ends) + " | wire MB/step/rank |",
-             "|---|---|---|" + "---|" * len(ends) + "---|"]
-    native = [r["step_s"] for r in rows if r["label"] == "native-fp32"]
-    base = statistics.median(native) if native else None
-    for label in dict.fromkeys(r["label"] for r in rows):
-        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["round"])
-        steps = [r["step_s"] for r in mine]
-        speed = f"{base / statistics.median(steps):.2f}" if base else ""
-        lines.append(f"| {label} | {statistics.median(steps):.3f} ({min(steps):.3f}-{max(steps):.3f}) | {speed} | "
-                     + " | ".join(f"{r['loss']:.5f}" for r in mine) + f" | {mine[-1]['wire_MB']:.2f} |")
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    write_csv(Path(f"{out}.csv"), summary, fieldnames=list(dict.fromkeys(k for s in summary for k in s)))
+    tta.plot(rows, summary, Path(f"{out}.png"), baseline="native fp32 HSDP")
+    peers = [key for _, key in PEERS if any(key in s for s in summary)]
+    fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
+    lines = [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`.",
+             "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + ".",
+             f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
+             f"parameters), each decoder layer and the root one FSDP2 group; batch {meta['batch_size']} x "
+             f"{meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}; text: the Python standard library's source, "
+             f"every 10th file held out. Validation: {meta['eval_batches']} x {meta['eval_batch_size']} x "
+             f"{meta['seq_len']} held-out bytes every {meta['eval_every']} steps.",
+             f"Lab: {NODES} nodes x {PER_NODE} workers, mesh (replicate, shard) = ({NODES}, {PER_NODE}); inside a node "
+             "an unshaped link, between the nodes one veth pair with tbf at the rate each way, shared by both "
+             "cross-node pairs. native-*: FSDP2's own HSDP over the 2-D mesh (bf16: "
+             "MixedPrecisionPolicy(reduce_dtype=bfloat16)); the others: fully_shard over mesh['shard'] and "
+             "netgain.comm.fsdp on the cross-node all-reduce.",
+             f"Race: round r trains from seed {meta['seed']} + r (initial model and batches); "
+             + (f"targets given (`--targets`): {meta['targets']}, native-fp32 racing last"
+                if meta.get("targets") else f"target: native fp32 HSDP's validation loss at step {meta['target_step']}")
+             + f"; each contestant stops at the first validation at or below it after at least {meta['budget']} "
+             f"steps, at most {meta['cap']} x {meta['target_step']}. {meta['warmup']} untimed steps per contestant "
+             f"first; contestants interleaved within each round. A contestant whose steady step (median of steps "
+             f"1-{tta.FIRST_STEPS}, slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
+             "('not reached').",
+             "Time to target: step times (barrier to optimizer step; validations excluded) up to the crossing, "
+             "interpolated between validations; median over rounds (min-max). x native: per-round ratio of native "
+             f"HSDP's time to target to the contestant's (> 1: sooner). Val loss at step {meta['budget']}: every "
+             "contestant after the same steps; round s: a contestant's wall time per round (build, training, "
+             "validations). Medians over rounds."]
+    for note in meta.get("skipped", {}).items():
+        lines += ["", "Skipped %s: %s" % note]
+    for rate in dict.fromkeys(s["rate"] for s in summary):
+        mine = [s for s in summary if s["rate"] == rate]
+        targets = dict.fromkeys(f"{r['target']:.4f}" for r in rows if r["rate"] == rate)
+        lines += ["", f"## {rate} between the nodes", "", f"Target {' / '.join(targets)} (round by round).", "",
+                  f"| contestant | reached | time to target s (min-max) | without the first {tta.FIRST_STEPS} steps | "
+                  + " | ".join(PEER_TITLES[k] for k in peers) + " | steps to target | steady step s | "
+                  f"wire MB/step/rank | val loss at step {meta['budget']} | final val loss | round s |",
+                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|"]
+        for s in mine:
+            spread = "" if s["tta_s"] == math.inf else f" ({fmt(s['tta_min'], '.1f')}-{fmt(s['tta_max'], '.1f')})"
+            left = f" (left the race {s['left_race']}x)" if s["left_race"] else ""
+            lines.append(f"| {s['contestant']} | {s['reached']}{left} | {fmt(s['tta_s'], '.1f')}{spread} | "
+                         f"{fmt(s['tta_after_first_s'], '.1f')} | " + " | ".join(format_ratio(s, k) for k in peers)
+                         + f" | {fmt(s['steps_to_target'], '.1f')} | {fmt(s['steady_step_s'], '.3f')} | "
+                         f"{s['wire_MB']:.3f} | {fmt(s['budget_loss'], '.4f')} | {s['final_loss']:.4f} | "
+                         f"{s['round_wall_s']:.0f} |")
+        best = min(mine, key=lambda s: s["tta_s"])
+        lines += ["", f"Fastest to target at {rate}: {best['contestant']} ({fmt(best['tta_s'], '.1f')} s)."]
+    lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", default="100mbit", help="the inter-node link, each way ('none': unshaped)")
-    parser.add_argument("--contestants", nargs="+", default=["native-fp32", "gqsgd-8", "gqsgd-4"],
-                        choices=list(CONTESTANTS))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40, help="steps per contestant per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant before the rounds")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--rates", nargs="+", default=["50mbit", "100mbit"],
+                        help="the inter-node link, each way ('none': unshaped)")
+    parser.add_argument("--contestants", nargs="+", default=DEFAULT_CONTESTANTS, choices=list(CONTESTANTS),
+                        help=f"{BASELINE} always runs: it sets the target")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each from its own seed")
+    parser.add_argument("--target-step", type=int, default=120, help="T: the target is native fp32's loss at step T")
+    parser.add_argument("--cap", type=int, default=3, help="train at most CAP x T steps")
+    parser.add_argument("--budget", type=int, help="train at least this many steps, and report every contestant's "
+                        "validation loss there (default: T)")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-batches", type=int, default=8, help="a multiple of the 4 workers")
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed throwaway steps per contestant before round 0")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0, help="round r: seed + r (initial model and batches)")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
-    parser.add_argument("--wait-s", type=float, default=900,
-                        help="how long to wait for the load to fall below 1")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "fsdp_lab")
+    parser.add_argument("--targets", type=float, nargs="+",
+                        help=f"the target of each round (the last for later rounds), e.g. {BASELINE}'s from an earlier "
+                        f"run at the same seeds: {BASELINE} then races last, and may leave the race")
+    parser.add_argument("--leave-above", type=float, default=2.0,
+                        help="a contestant whose steady step is over this x the best so far leaves the race")
+    parser.add_argument("--quiet-wait", type=float, default=900,
+                        help="seconds to wait for a load average below 1.0 before each rate (0: do not wait)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "fsdp_lab_tta")
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="only rewrite the report from an earlier run's JSON (md, csv, png beside it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rounds < 3 or args.steps < LOSS_WINDOW or args.warmup < 1:
-        parser.error(f"--rounds must be >= 3 (medians), --steps >= {LOSS_WINDOW} (a round's loss), --warmup >= 1")
+    args.budget = args.target_step if args.budget is None else args.budget
+    if (args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every
+            or args.budget % args.eval_every or not 0 < args.budget <= args.cap * args.target_step
+            or args.eval_batches % (NODES * PER_NODE)):
+        parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step and --budget multiples of "
+                     "--eval-every, --budget at most CAP x T, --eval-batches a multiple of 4")
     if args.worker:
         worker(args)
         return 0
+    if args.report_from:
+        saved = json.loads(args.report_from.read_text())
+        report(saved["rows"], summarise(saved["rows"]), saved["meta"], args.report_from.with_suffix(""))
+        return 0
+    from lab import terminate_on_signals
     from provenance import git_commit
 
-    rows, before, after = run(args)
-    meta = {"title": "HSDP on the two-node lab: fp32 vs Global-QSGD on the inter-node all-reduce (interleaved rounds)",
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, 4 workers of 1 torch thread",
-            "commit": git_commit(), "command": "python " + " ".join(sys.argv), "load_before": before,
-            "load_after": after, **{k: getattr(args, k) for k in ("rate", "width", "layers", "batch_size", "lr",
-                                                                   "rounds", "steps", "warmup")}}
-    report(rows, meta, args.out)
+    # native-fp32 sets the target, so runs first; given the targets, it races last (it may leave the race)
+    args.contestants = list(dict.fromkeys([*args.contestants, BASELINE] if args.targets
+                                          else [BASELINE, *args.contestants]))
+    commit, rows, skipped, load = git_commit(), [], {}, {}
+    with terminate_on_signals():  # a SIGTERM tears the lab down too
+        for rate in args.rates:
+            cell, refused, load[f"before {rate}"] = lab_cell(rate, args)
+            rows += cell
+            skipped.update(refused)
+    meta = {"title": "Time to target validation loss for HSDP on the two-node lab: native FSDP2 vs netgain on "
+                     "the cross-node all-reduce (interleaved)",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {NODES * PER_NODE} workers of 1 torch thread",
+            "commit": commit,
+            "command": "python " + " ".join(sys.argv), "load": load, "skipped": skipped,
+            **{k: getattr(args, k) for k in ("rates", "hidden", "layers", "batch_size", "seq_len", "lr", "rounds",
+                                             "target_step", "cap", "budget", "eval_every", "eval_batches",
+                                             "eval_batch_size", "warmup", "seed", "targets", "leave_above")}}
+    report(rows, summarise(rows), meta, args.out)
     return 0
 
 
