@@ -219,6 +219,24 @@ def test_auto_checkpoint_carries_its_measured_prices_and_the_rate_believed_at_vo
     assert resumed.monitor.update(25e6, 0.001, 0.0, 80e3) == 1.25e6 and resumed.monitor.volume == 3e6
 
 
+def test_auto_checkpoint_carries_its_plan_as_plain_data():
+    """The plan running, the errors it was solved on and how far it is priced come back, as plain data (JSON too:
+    netgain.comm.fsdp keeps it in its header); the resumed planner reports the plan before it agrees again."""
+    planner = one_bucket_auto(1e6)
+    planner._solve(2)
+    planner._running.extend([0.2, 0.3])
+    saved = json.loads(json.dumps(planner.state_dict()))
+    resumed = comm.AutoConfig().build()
+    resumed.load_state_dict(torch.load(io.BytesIO(_saved(saved)), weights_only=True))
+    assert resumed.codec_for(0, 1_000_000).describe() == "lowrank(rank=4,factors=gqsgd,bits=8)"
+    assert resumed._plan_key == planner._plan_key and list(resumed._running) == [0.2, 0.3]
+    assert resumed.errors == planner.errors and resumed._shapes == planner._shapes and not resumed._stale
+    assert resumed.last["plan"] == {0: "lowrank(rank=4,factors=gqsgd,bits=8)"}
+    assert json.loads(json.dumps(resumed.state_dict())) == saved
+    with pytest.raises(ValueError, match="does not fit this planner's 4 options"):  # another config's plan
+        comm.AutoConfig(bits=(8,), rank=None).build().load_state_dict(saved)
+
+
 def test_margin_is_an_order_statistic_a_new_step_exceeds_at_most_one_time_in_twenty():
     planner = AdaptivePlanner("kimad+")
     planner._overruns.extend([1.0, 1.2, 1.1, 1.05])

@@ -403,12 +403,119 @@ def test_lowrank_nan_and_plan_mismatch_raise_on_every_rank(lowrank):
 
 def test_register_explains_what_it_needs():
     import netgain.comm.fsdp as fsdp
-    with pytest.raises(TypeError, match="fully_shard"):
-        fsdp.register(torch.nn.Linear(2, 2), None)
-    for planned in ("auto", "kimad"):
-        with pytest.raises(ValueError, match="config: netgain.comm.fsdp runs a fixed codec .*lowrank.*, got .*"
-                                             "planning is not supported under FSDP yet"):
-            fsdp.register(torch.nn.Linear(2, 2), None, planned)
+    for config in ("auto", "gqsgd"):
+        with pytest.raises(TypeError, match="fully_shard"):
+            fsdp.register(torch.nn.Linear(2, 2), None, config)
+
+
+AUTO_STEPS = 5
+# the plan the checkpoint's runs are held to, per FSDP group (the measured link would move a plan between runs)
+SCRIPTED = {1: "lowrank(rank=4,factors=fp32)", 2: "gqsgd(bits=4,encoding=packed)", 3: "bf16"}
+
+
+def _auto(rank, world, folder):
+    """auto on each shard position's replicas: AUTO_STEPS steps' statistics; NaN on rank 3; a codec forced on rank 1
+    (one replicate group's mismatch); a DCP checkpoint after 3 steps of a scripted plan, against 3 more."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import netgain.comm.fsdp as fsdp
+    from netgain.comm.codecs import GlobalQSGD
+
+    mesh = _mesh()
+
+    def fresh(scripted=False):
+        model = _shard(_model(), mesh)
+        state = fsdp.register(model, mesh, "auto", min_compress_numel=0)
+        if scripted:  # the planner's own solve, its choice held to SCRIPTED
+            options = [option.describe() for option in state.planner.options]
+            state.planner._soonest = lambda indices, *_: [options.index(SCRIPTED[i]) for i in indices]
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2), state
+
+    def error_of(backward):
+        try:
+            backward()
+            return "no error"
+        except Exception as error:
+            return type(error).__name__
+
+    results = {"steps": []}
+    model, optimizer, state = fresh()
+    for step in range(AUTO_STEPS):
+        _train(model, optimizer, rank, 1, step)
+        results["steps"].append(state.last_step)
+
+    model, _, _ = fresh()
+    x, y = _batch(rank)
+    if rank == 3:
+        x[0, 0] = float("nan")
+    results["nan"] = error_of(lambda: torch.nn.functional.mse_loss(model(x), y).backward())
+
+    model, _, state = fresh()
+    _loss(model, rank, 0).backward()
+    if rank == 1:  # its replicate group (ranks 1, 3) fails on the header's signature; ranks 0 and 2 learn it at the end
+        state.chooser.codec_for = lambda index, numel: GlobalQSGD(2)
+    results["mismatch"] = error_of(lambda: _loss(model, rank, 1).backward())
+
+    model, optimizer, state = fresh(scripted=True)
+    _train(model, optimizer, rank, 3, 0)
+    results["planned"] = {index: codec.describe() for index, (_, codec) in state.planner.plan.items()}
+    saved = json.loads(json.dumps(state.planner.state_dict()))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "comm": state}, checkpoint_id=f"{folder}/auto")
+    _train(model, optimizer, rank, 3, 3)
+    continued = _params(model)
+
+    model, optimizer, state = fresh(scripted=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    checkpoint = {"model": model_sd, "optim": optim_sd, "comm": state}
+    fsdp.load_checkpoint(checkpoint, f"{folder}/auto")
+    set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optim"])
+    results["loaded"] = json.loads(json.dumps(state.planner.state_dict())) == saved
+    _train(model, optimizer, rank, 3, 3)
+    resumed = _params(model)
+    results["resumed"] = (all(torch.equal(continued[n], resumed[n]) for n in continued), state.step)
+    return results
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory):
+    results = run(_auto, REPLICAS * SHARDS, str(tmp_path_factory.mktemp("auto")), timeout=150)
+    assert all(status == "ok" for status, _ in results), results
+    return [value for _, value in results]
+
+
+def test_auto_plans_each_group_and_reports_it(auto):
+    """Each FSDP group is one bucket the planner plans; each step runs the plan the step before it made, and the
+    replicas of a shard (ranks 0 and 2, 1 and 3) agree on plan and link."""
+    for rank in auto:
+        last = rank["steps"][-1]
+        assert last["buckets"] == 3 and last["step"] == AUTO_STEPS - 1
+        assert set(last["plan"]) == {1, 2, 3} and last["bandwidth_Bps"] > 0
+        assert last["backward_s"] > 0 and last["wait_s"] > 0  # the backward's own time, and its time in the hook
+        planned = [(before, after) for before, after in zip(rank["steps"], rank["steps"][1:]) if before["plan"]]
+        assert planned
+        for before, after in planned:
+            assert {r["index"]: r["codec"] for r in after["per_bucket"]} == before["plan"]
+    for replica, other in ((0, 2), (1, 3)):
+        for key in ("plan", "bandwidth_Bps", "latency_s"):
+            assert [step[key] for step in auto[replica]["steps"]] == [step[key] for step in auto[other]["steps"]], key
+
+
+def test_auto_nan_and_plan_mismatch_raise_on_every_rank(auto):
+    """A mismatch in one replicate group raises on the other's ranks too: the step's verdict crosses the shard group."""
+    assert [rank["nan"] for rank in auto] == ["NonFiniteGradientError"] * 4
+    assert [rank["mismatch"] for rank in auto] == ["PlanMismatchError"] * 4
+
+
+def test_auto_dcp_checkpoint_resumes_its_plan_bit_for_bit(auto):
+    """The plan, the planner's agreed state, low rank's memory and the step come back: the 3 resumed steps equal
+    the 3 continued ones exactly."""
+    for rank in auto:
+        assert rank["planned"] == SCRIPTED and rank["loaded"]
+        assert rank["resumed"] == (True, 6)
 
 
 class _RunsCode:

@@ -34,6 +34,14 @@ def test_fsdp_none_trains_as_ddp_does(tmp_path):
         assert abs(a - b) < 1e-4
 
 
+def test_fsdp_runs_auto_by_default(tmp_path):
+    """No --codec under --fsdp: auto, planned per shard position; rank 0's plan in each step's record once made."""
+    assert run_train("--task", "digits", *MESH, "--steps", "6", "--eval-every", "0", "--out", str(tmp_path)) == 0
+    auto = record(tmp_path)
+    assert auto["summary"]["codec"] == "auto" and auto["config"]["codec"] == "auto"
+    assert auto["per_step"]["plan"][-1] and auto["per_step"]["bandwidth_Bps"][-1] > 0
+
+
 def _model_tensors(folder, tmp_path):
     saved = tmp_path / f"{folder.name}.pt"
     dcp_to_torch_save(folder, saved)

@@ -306,15 +306,19 @@ class AdaptivePlanner:
             self._solve(link.world_size)
             if fitted_before and not self.fits and link.rank == 0:
                 warnings.warn(self.unfit_message(), RuntimeWarning, stacklevel=2)
-        self.last = {"bandwidth_Bps": bandwidth, "latency_s": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
-                     "budget_s": self.budget_s(), "margin": self.margin(), "replanned": replanned,
-                     "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
-                     # low rank counts as 1 here: its error is taken as the bucket's whole energy
-                     "plan_error": max((self.relative[i][self.options.index(codec)]
-                                        for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
-                     "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
-                     "climbing": self.climbing, "trying": self.trying}
+        self.last = self._statistics(replanned, comm_s)
         return self.last
+
+    def _statistics(self, replanned: bool, comm_s: float | None) -> dict:
+        """What a step's statistics hold of the planner (comm_s: the step's agreed link plus codec seconds)."""
+        return {"bandwidth_Bps": self.monitor.bandwidth, "latency_s": self.monitor.latency,
+                "overhead_s": self.monitor.overhead_s, "budget_s": self.budget_s(), "margin": self.margin(),
+                "replanned": replanned, "plan": {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())},
+                # low rank counts as 1 here: its error is taken as the bucket's whole energy
+                "plan_error": max((self.relative[i][self.options.index(codec)]
+                                   for i, (_, codec) in self.plan.items() if i in self.relative), default=None),
+                "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
+                "climbing": self.climbing, "trying": self.trying}
 
     def _settled(self, step: int) -> bool:
         """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
@@ -360,14 +364,23 @@ class AdaptivePlanner:
         return not within or abs(self.monitor.overhead_s - overhead_s) > self.replan_threshold * self.budget_s()
 
     def state_dict(self) -> dict:
-        """What every rank agreed on (identical everywhere): the link estimate, the compute time and
-        the recent overruns behind the margin."""
+        """What every rank agreed on (identical everywhere), as plain lists and numbers: the link estimate, the
+        compute time, the recent overruns behind the margin, and the plan running, so a resume continues it."""
         return {"bandwidth": self.monitor.bandwidth, "agreed": list(self.monitor.agreed),
                 "sustained": self.monitor.sustained, "volume": self.monitor.volume,
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
-                "priced_rate": self._priced_rate}
+                "priced_rate": self._priced_rate, "plan": self._plan_state()}
+
+    def _plan_state(self) -> dict:
+        """The plan (bucket, numel, option index), the errors and shapes it was solved on, and how far it is priced."""
+        return {"buckets": [[index, numel, self.options.index(codec)] for index, (numel, codec) in sorted(self.plan.items())],
+                "errors": [[index, self.errors[index], self.relative[index]] for index in sorted(self.errors)],
+                "shapes": [[index, [list(s) for s in shapes]] for index, shapes in sorted(self._shapes.items()) if shapes],
+                "stale": self._stale, "trying": self.trying, "climbing": self.climbing, "fits": self.fits,
+                "predicted": self._predicted, "planned_link": list(self._planned_link) if self._planned_link else None,
+                "steps": self._plan_steps, "running": list(self._running), "beside_compiles": list(self._beside_compiles)}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.agreed.clear()
@@ -381,6 +394,29 @@ class AdaptivePlanner:
         self._priced_rate = state.get("priced_rate")
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
+        if "plan" in state:  # (a state saved without it re-plans from the next step's measurements)
+            self._load_plan(state["plan"])
+        self.last = self._statistics(False, None)  # what settled steps report until the next agreement
+
+    def _load_plan(self, saved: dict) -> None:
+        """What _plan_state saved; ValueError for an option index this planner does not have."""
+        width = len(self.options)
+        buckets = [(int(index), int(numel), int(option)) for index, numel, option in saved["buckets"]]
+        if not all(0 <= option < width for *_, option in buckets) or not all(
+                len(errors) == len(relative) == width for _, errors, relative in saved["errors"]):
+            raise ValueError(f"the saved plan does not fit this planner's {width} options")
+        self.plan = {index: (numel, self.options[option]) for index, numel, option in buckets}
+        self._plan_key = tuple(buckets)  # as _key makes it: the measured prices (periods) are keyed by it
+        self.errors = {int(index): list(errors) for index, errors, _ in saved["errors"]}
+        self.relative = {int(index): list(relative) for index, _, relative in saved["errors"]}
+        self._shapes = {int(index): [tuple(s) for s in shapes] for index, shapes in saved["shapes"]}
+        self._stale, self.trying, self.climbing, self.fits = (bool(saved[key]) for key in ("stale", "trying", "climbing", "fits"))
+        self._predicted = saved["predicted"]
+        self._planned_link = tuple(saved["planned_link"]) if saved["planned_link"] else None
+        self._plan_steps = int(saved["steps"])
+        self._running.clear()
+        self._running.extend(saved["running"])
+        self._beside_compiles = list(saved["beside_compiles"])
 
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s

@@ -264,11 +264,7 @@ class Pipeline:
         if job.buffer.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()
-        if len(job.step_jobs) == 1:  # the step's first bucket: the previous step has ended, its plan stands
-            planner = self.state.planner
-            self.plain = (planner is not None and self.state.config.nonfinite == "raise"
-                          and planner.plain(self.state.step))
-        job.plain = self.plain
+        self._plan(job)
         if self.inline or job.plain:  # no header to wait for: launch from here, as PyTorch's own hooks do
             self._run(job)
         else:
@@ -301,8 +297,17 @@ class Pipeline:
                     if not j.result.done():
                         j.result.set_result(j.out)
 
+    def _plan(self, job: BucketJob) -> None:
+        """Whether the job runs plain: decided at the step's first bucket (the previous step has ended, its plan stands)."""
+        if len(job.step_jobs) == 1:
+            planner = self.state.planner
+            self.plain = (planner is not None and self.state.config.nonfinite == "raise"
+                          and planner.plain(self.state.step))
+        job.plain = self.plain
+
     def run_now(self, job: BucketJob) -> None:
         """On the caller's thread and stream, to the decoded mean (netgain.comm.fsdp: the caller reads it next)."""
+        self._plan(job)
         try:
             send(self.state, job, self.communicator)
             job.done.result()

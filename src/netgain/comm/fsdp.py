@@ -4,7 +4,7 @@
     for block in model.blocks:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    state = netgain.comm.fsdp.register(model, mesh, GlobalQSGDConfig(bits=8))
+    state = netgain.comm.fsdp.register(model, mesh)  # auto; or a codec: GlobalQSGDConfig(bits=8), "lowrank", ...
 
 Why the shard sub-mesh, not the 2-D mesh: with native HSDP, torch 2.13's FSDP2 runs its own
 all-reduce across replicas and calls the all-reduce hook only with that result, and
@@ -16,13 +16,26 @@ gradients. This is the pattern torchft uses.
 
 The group's flat output is one bucket of the DDP pipeline (bucket.py): the same header
 (global per-parameter scales, the non-finite flag and the plan signature in one allreduce MAX),
-codecs, errors raised on every rank and per-step statistics. The hook runs synchronously inside
-FSDP's post-backward: FSDP reads the gradients right after it returns.
+codecs and per-step statistics. The hook runs synchronously inside FSDP's post-backward: FSDP
+reads the gradients right after it returns.
+
+The hook's process group is this rank's replicate group: the ranks that hold the same shard. auto,
+kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard position prices and plans
+its own buckets (its shard of each FSDP group) from what its replicas agree, so shard positions may run
+different plans, as their shards differ. A step ends when autograd finishes the backward (a queued
+final callback), once per backward on every rank; there the planner ends its step on the replicate
+group, and then one allreduce MAX over the shard group tells every rank whether any shard position's
+replicas failed (NaN/Inf, a plan mismatch): a failure raises on every rank of the mesh, so no replica
+steps while another stops. A failed replicate group's later buckets send nothing until then, while
+FSDP's reduce-scatters go on, so every rank reaches the step's end. The backward waits through each
+bucket: the statistics' wait_s is that time, and backward_s (kimad's default budget) the backward's
+time without it; the planner's link time is its own collectives', not FSDP's inside the node.
 
 FSDP2 shards each parameter on one dimension, so this rank's padded shard of a weight is itself a
 matrix, the same shard on every replica: low rank runs on it across the replicas, its residual
 this rank's own and its warm start the shard's, as under DDP; EF21 (top-k, random-k) likewise.
-The state checkpoints through DCP as DTensors over the mesh (`FSDPCommState.state_dict`).
+The state checkpoints through DCP as DTensors over the mesh, each shard position's planner in its
+header (`FSDPCommState.state_dict`).
 """
 
 from __future__ import annotations
@@ -31,13 +44,15 @@ import json
 import pickle
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .config import CODEC_CONFIGS, PLANNED_CONFIGS, CommConfig, comm_config
+from .codecs import NonFiniteGradientError, PlanMismatchError
+from .config import CODEC_NAMES, CommConfig, comm_config
 from .feedback import EF21, LowRankMemory
 from .fused import Segments, name_key
 from .hooks import CommState, check_saved
@@ -45,16 +60,18 @@ from .store import BucketLayout
 
 REPLICATE, SHARD = "replicate", "shard"
 FORMAT = "netgain.comm.fsdp/1"
-# every fixed codec; auto's and Kimad's planners measure and plan per rank, which is not carried over to FSDP yet
-CONFIGS = tuple(config for config in dict.fromkeys(CODEC_CONFIGS.values()) if config not in PLANNED_CONFIGS)
-CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
+CODECS = CODEC_NAMES  # every codec and planner runs on the cross-replica hop
+# a step's verdict, one code per shard position (allreduce MAX: the most specific failure wins): what the ranks
+# whose own replicas did not fail raise
+FAILURES = (None, RuntimeError, NonFiniteGradientError, PlanMismatchError)
 
 
 class FSDPCommState(CommState):
     """The DDP pipeline's state, fed by FSDP2's all-reduce hook: one job per parameter group per step.
 
     A step ends when autograd finishes the backward (a queued final callback), so `last_step`
-    and `history` hold the same statistics as under DDP, with one record per FSDP group.
+    and `history` hold the same statistics as under DDP, with one record per FSDP group, and a
+    planner's (auto, kimad, kimad+) per shard position: see the module's docstring.
 
     Each group's layout carries its parameters' padded shard shapes, so low rank runs on each shard
     matrix across the replicas, and every codec's memory (low rank's residual and warm start, EF21's
@@ -65,24 +82,56 @@ class FSDPCommState(CommState):
     def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str]):
         super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
         self.mesh = mesh
+        self._shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
+        self._shard, self._shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
         self._flat_layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._in_step = False
+        self._failure: Exception | None = None  # this step's error on this replicate group, raised at its end
+        self._device = torch.device("cpu")  # of the flat outputs: where the step's verdict is agreed
 
     def reduce(self, index: int, flat: torch.Tensor) -> None:
-        """Replace ``flat`` (one group's reduce-scatter output) by its mean over the replicas."""
+        """Replace ``flat`` (one group's reduce-scatter output) by its mean over the replicas.
+
+        A failure of the pipeline (NaN/Inf, a plan mismatch: the same on every replica of this shard) is held
+        and raised at the backward's end on every rank (`_close_step`); this replicate group's later buckets
+        send nothing meanwhile, and FSDP goes on with the step's reduce-scatters, which every rank runs."""
         if not self._in_step:
             self._in_step = True
             Variable._execution_engine.queue_callback(self._close_step)  # runs after FSDP's own
         try:
-            self.reduce_flat(index, flat, self._flat_layout(index, flat))
-        except Exception:
-            self._close_step()  # autograd skips final callbacks once a backward raises
+            layout = self._flat_layout(index, flat)
+        except Exception:  # this rank's own (a parameter without a gradient): raised now
+            self._in_step, self._jobs = False, []  # autograd skips final callbacks once a backward raises
             raise
+        if self._failure is None:
+            self._device = flat.device
+            try:
+                self.reduce_flat(index, flat, layout)
+            except Exception as error:
+                self._failure = error
 
     def _close_step(self) -> None:
+        """The backward's end: statistics and the planner's end of step (on the replicate group), then every
+        shard position's verdict in one allreduce MAX over the shard group; raises any failure on every rank."""
         self._in_step = False
-        self.end_step()
+        error, self._failure = self._failure, None
+        try:
+            self.end_step()
+        except Exception as failed:  # the planner's agreement (a plan mismatch): the same on every replica
+            error = error or failed
+        verdicts = torch.zeros(self._shards, device=self._device)
+        verdicts[self._shard] = _failure_code(error)
+        if self._shards > 1:
+            dist.all_reduce(verdicts, dist.ReduceOp.MAX, group=self._shard_group)
+        if error is not None:
+            raise error
+        failed = [shard for shard, code in enumerate(verdicts.tolist()) if code]
+        if failed:
+            kind = FAILURES[int(verdicts.max())]
+            raise kind(f"netgain.comm.fsdp step {self.step - 1}: the replicas of shard {', '.join(map(str, failed))} "
+                       f"raised {kind.__name__} (named on their ranks); every rank raises it, so that no replica "
+                       "steps while another stops")
 
     def _flat_layout(self, index: int, flat: torch.Tensor) -> BucketLayout:
         """Each group's layout, built once: its parameters' padded shards tile the flat output."""
@@ -131,11 +180,15 @@ class FSDPCommState(CommState):
     # ---- checkpoints: a torch.distributed.checkpoint Stateful --------------------------------------
     def state_dict(self) -> dict:
         """``header``: step, config, mesh and parameter names as one JSON string (what `load_checkpoint`
-        checks before it loads a tensor). With a codec that keeps memory, ``local``: every rank's own part
+        checks before it loads a tensor), and with a planner each shard position's planner state (``chooser``,
+        gathered over the shard group: collective). With a codec that keeps memory, ``local``: every rank's own part
         (the error feedback), a (replicate, shard, numel) DTensor of which each rank holds its entry; and
         ``shared``: what the replicas of a shard hold alike (low rank's warm start, EF21's g), a (shard,
         numel) DTensor replicated over the replicas. DCP writes each piece once and loads each rank's own."""
-        state = {"header": json.dumps(self._header())}
+        header = self._header()
+        if self.planner is not None:
+            header["chooser"] = self._planners()
+        state = {"header": json.dumps(header)}
         memories = self._memories()
         if memories:
             local = torch.cat([memory.local for memory in memories]).view(1, 1, -1)
@@ -147,6 +200,11 @@ class FSDPCommState(CommState):
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict()` returned (loaded in place by DCP); ValueError as `check_header`."""
         header = self.check_header(state.get("header"))
+        if self.planner is not None:
+            saved = header.get("chooser")
+            if not isinstance(saved, list) or len(saved) != self._shards:
+                raise ValueError(f"the checkpoint's comm header holds no {self.describe()} planner state per shard")
+            self._load_planner(saved[self._shard])
         memories = self._memories()
         if memories:
             local = state["local"].to_local().reshape(-1).split([memory.local.numel() for memory in memories])
@@ -155,6 +213,13 @@ class FSDPCommState(CommState):
                 memory.local.copy_(mine)
                 memory.shared.copy_(ours)
         self.step = header["step"]
+
+    def _planners(self) -> list:
+        """Each shard position's planner state (its replicas agreed it: every replica holds the same), gathered over
+        the shard group, so that every rank saves one header and DCP's one copy of it holds them all."""
+        states = [None] * self._shards
+        dist.all_gather_object(states, self.planner.state_dict(), group=self._shard_group)
+        return states
 
     def check_header(self, header) -> dict:
         """The saved header as a dict, or ValueError naming what differs from this run: the format, config,
@@ -184,23 +249,27 @@ class FSDPCommState(CommState):
                 "names": [name for layout in self._group_layouts() for name in layout.names]}
 
 
+def _failure_code(error: Exception | None) -> int:
+    """A step's verdict: 0 none, else the index in FAILURES of the most specific class the error is (1: any other)."""
+    if error is None:
+        return 0
+    return max((code for code, kind in enumerate(FAILURES) if kind is not None and isinstance(error, kind)), default=1)
+
+
 def _shape(mesh) -> str:
     return " x ".join(map(str, mesh)) if isinstance(mesh, list) else repr(mesh)
 
 
-def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "gqsgd", **options) -> FSDPCommState:
+def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "auto", **options) -> FSDPCommState:
     """Run the cross-replica gradient all-reduce of ``model`` through a netgain codec; returns its state.
 
     ``model``: fully_shard-ed (root and submodules) over ``mesh["shard"]``; ``mesh``: the 2-D
-    (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register, a fixed codec (CODECS):
-    none, fp16/bf16, qsgd, gqsgd (int8 or packed), gqsgd-exp, topk, randomk, lowrank. Collective over
+    (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register (CODECS): "auto" (the default:
+    per FSDP group, the fastest option at the measured link, planned per shard position), a fixed codec
+    (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. Collective over
     the default group: raises PlanMismatchError on every rank when the ranks' configs differ.
     """
     comm = comm_config(config, **options)
-    if not isinstance(comm.codec, CONFIGS):
-        raise ValueError(f"config: netgain.comm.fsdp runs a fixed codec ({', '.join(CODECS)}), got "
-                         f"{comm.codec.build().describe()}: auto's and Kimad's per-bucket planning is not supported "
-                         "under FSDP yet")
     _check_mesh(model, mesh)
     state = FSDPCommState(comm, mesh=mesh, param_names={id(p): name for name, p in model.named_parameters()})
     state.check_config(None)  # every rank of the job, not only this replicate group

@@ -56,6 +56,7 @@ class CommState:
         self._jobs: list[BucketJob] = []     # this step's buckets so far, in order (a new list per step)
         self._forward_end: float | None = None
         self._first_submit = self._last_submit = 0.0
+        self._inline_s = 0.0  # this step's seconds inside reduce_flat: a caller's backward (FSDP's) waited through them
         self._lock = threading.Lock()
 
     def codec_for(self, index: int, numel: int) -> Codec:
@@ -89,11 +90,12 @@ class CommState:
         self.pipeline.submit(job)
         return result
 
-    def _submitted(self) -> None:
+    def _submitted(self) -> float:
         now = time.perf_counter()
         if not self._jobs:
-            self._first_submit = now
+            self._first_submit, self._inline_s = now, 0.0
         self._last_submit = now
+        return now
 
     def _pass_through(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
         job = BucketJob(bucket.index(), buffer, None, None)
@@ -124,16 +126,19 @@ class CommState:
         The bucket joins this step's statistics until `end_step()`. Raises NonFiniteGradientError
         or PlanMismatchError on every rank.
         """
-        self._submitted()
+        start = self._submitted()
         if self.pipeline is None:
             self._start(side_stream=False)
-        job = BucketJob(index, flat, layout, torch.futures.Future())
+        job = BucketJob(index, flat, layout, torch.futures.Future(), step_jobs=self._jobs)
         self._jobs.append(job)
-        self.pipeline.run_now(job)
-        if job.out is not flat:
-            flat.copy_(job.out)
-        if flat.is_cuda:  # the decode ran on the collective's stream: finish it before the caller's reads
-            torch.cuda.synchronize(flat.device)
+        try:
+            self.pipeline.run_now(job)
+            if job.out is not flat:
+                flat.copy_(job.out)
+            if flat.is_cuda:  # the decode ran on the collective's stream: finish it before the caller's reads
+                torch.cuda.synchronize(flat.device)
+        finally:
+            self._inline_s += time.perf_counter() - start
 
     def end_step(self) -> None:
         """Close the step of `reduce_flat` buckets: statistics, the planner's end of step."""
@@ -148,15 +153,21 @@ class CommState:
         records = [job.record for job in jobs if job.record is not None]
         totals = {key: sum(r.get(key, 0.0) for r in records)
                   for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
-        totals.update(step=self.step, buckets=len(records), wait_s=max(0.0, done - self._last_submit),
-                      backward_s=self._last_submit - (self._forward_end or self._first_submit),
+        if self._inline_s:  # buckets run inline (reduce_flat, FSDP's hook): the backward waited through each one
+            wait_s, backward_end = self._inline_s, done - self._inline_s
+        else:  # DDP's: the backward ends at its last bucket, which the step's end waits for
+            wait_s, backward_end = max(0.0, done - self._last_submit), self._last_submit
+        totals.update(step=self.step, buckets=len(records), wait_s=wait_s,
+                      backward_s=backward_end - (self._forward_end or self._first_submit),
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
-        if link is not None and self.planner is not None:
-            totals.update(self.planner.end_step(link, self.step, totals["backward_s"],
-                                                totals["encode_s"] + totals["decode_s"]))
-        self.history.append(totals)
-        self.last_step = {**totals, "per_bucket": records}
-        self.step += 1
+        try:
+            if link is not None and self.planner is not None:
+                totals.update(self.planner.end_step(link, self.step, totals["backward_s"],
+                                                    totals["encode_s"] + totals["decode_s"]))
+        finally:  # a step whose planner agreement failed (PlanMismatchError) still counts: every rank's step moves on
+            self.history.append(totals)
+            self.last_step = {**totals, "per_bucket": records}
+            self.step += 1
 
     def close(self) -> None:
         """Wait for buckets still on the communication thread (e.g. after one raised), then stop it.
@@ -208,14 +219,18 @@ class CommState:
         check_state(state, self.config.describe(), n, set(self._names.values()))
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         self._drain()
-        if self.planner is not None:
-            try:
-                self.planner.load_state_dict(state["chooser"])
-            except (KeyError, TypeError, ValueError, AttributeError) as error:
-                raise ValueError(f"the comm state's chooser is not a {self.describe()} planner's ({error!r})") from error
+        self._load_planner(state["chooser"])
         self.step = state["step"]
         self.store.load(state["local"][rank], state["shared"])
         self._layouts.clear()
+
+    def _load_planner(self, saved) -> None:
+        """The planner's state_dict() as saved (nothing without a planner); ValueError for one that is not its own."""
+        if self.planner is not None:
+            try:
+                self.planner.load_state_dict(saved)
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise ValueError(f"the comm state's chooser is not a {self.describe()} planner's ({error!r})") from error
 
     def __getstate__(self):
         state = dict(self.__dict__)
