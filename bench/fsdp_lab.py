@@ -15,7 +15,7 @@ Contestants: native-fp32 and native-bf16 are FSDP2's own HSDP (fully_shard over 
 latter with MixedPrecisionPolicy(reduce_dtype=bfloat16), so its reduce-scatter and cross-node
 all-reduce run in bf16. The others shard over mesh["shard"] and send the cross-node all-reduce
 through netgain.comm.fsdp.register with the codec of bench/time_to_accuracy.py's contestant of the
-same name; one that `register` refuses (auto or kimad where it does not plan under FSDP) is skipped
+same name; one that `register` refuses (a codec a given netgain version does not run under FSDP) is skipped
 with a note.
 
 The race is bench/time_to_accuracy.py's with --seed-per-round: round r trains from seed + r (initial
@@ -65,7 +65,7 @@ PEER_TITLES = {"x_fp32": "x native fp32", "x_bf16": "x native bf16"}
 
 
 class Refused(Exception):
-    """netgain.comm.fsdp.register refused the contestant's codec (a planner it does not run under FSDP)."""
+    """netgain.comm.fsdp.register refused the contestant's codec (one this netgain does not run under FSDP)."""
 
 
 # ---------------------------------------------------------------- one worker (inside the lab)
