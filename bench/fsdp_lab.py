@@ -106,14 +106,8 @@ def worker(args) -> None:
             raise Refused(str(error)) from error
 
     def validate(model) -> float:
-        """Mean loss over the fixed validation batches, each rank an equal share (FSDP's forward is collective)."""
-        model.eval()
-        with torch.no_grad():
-            total = torch.tensor([sum(model(input_ids=b, labels=b).loss.item() for b in validation),
-                                  len(validation)], dtype=torch.float64)
-        model.train()
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        """Each rank an equal share of the batches: FSDP's forward is collective."""
+        return tta.validation_loss(model, validation)
 
     best_steady = [math.inf]  # the fastest steady step so far at this rate, agreed by every rank
 

@@ -168,6 +168,20 @@ def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
     return None
 
 
+def validation_loss(model, batches) -> float:
+    """Mean loss over fixed validation batches, each rank a share of them: a collective, every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    model.eval()
+    with torch.no_grad():
+        total = torch.tensor([sum(model(input_ids=b, labels=b).loss.item() for b in batches), len(batches)],
+                             dtype=torch.float64)
+    model.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
 def register(ddp, spec, optimizer):
     if spec is not None and spec[0] == "bf16-hook":
         return BF16Hook(ddp)
@@ -193,14 +207,7 @@ def worker(args) -> None:
     validation = corpus.validation_batches(args.eval_batches, args.eval_batch_size, args.seq_len)[rank::world]
 
     def validate(model) -> float:
-        """Mean loss over the fixed validation batches, each rank a share of them."""
-        model.eval()
-        with torch.no_grad():
-            total = torch.tensor([sum(model(input_ids=b, labels=b).loss.item() for b in validation),
-                                  len(validation)], dtype=torch.float64)
-        model.train()
-        dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        return validation_loss(model, validation)
 
     best_steady = [math.inf]  # the cell's fastest steady step so far, agreed by every rank
 
