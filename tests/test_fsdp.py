@@ -117,11 +117,16 @@ def _aggregates(rank, world):
     return results
 
 
-@pytest.fixture(scope="module")
-def aggregates():
-    results = run(_aggregates, REPLICAS * SHARDS, timeout=150)
+def on_the_mesh(fn, *args):
+    """Each rank's result of fn on the 2 x 2 mesh's 4 processes; fails with every rank's status unless all ran."""
+    results = run(fn, REPLICAS * SHARDS, *args, timeout=150)
     assert all(status == "ok" for status, _ in results), results
     return [value for _, value in results]
+
+
+@pytest.fixture(scope="module")
+def aggregates():
+    return on_the_mesh(_aggregates)
 
 
 def test_none_equals_the_uncompressed_mean_exactly(aggregates):
@@ -264,9 +269,7 @@ def _params(model):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    results = run(_resume, REPLICAS * SHARDS, str(tmp_path_factory.mktemp("checkpoints")), timeout=150)
-    assert all(status == "ok" for status, _ in results), results
-    return [value for _, value in results]
+    return on_the_mesh(_resume, str(tmp_path_factory.mktemp("checkpoints")))
 
 
 @pytest.mark.parametrize("label", RESUMED)
@@ -374,9 +377,7 @@ def _lowrank(rank, world):
 
 @pytest.fixture(scope="module")
 def lowrank():
-    results = run(_lowrank, REPLICAS * SHARDS, timeout=150)
-    assert all(status == "ok" for status, _ in results), results
-    return [value for _, value in results]
+    return on_the_mesh(_lowrank)
 
 
 def test_lowrank_on_each_shard_is_powersgd_across_replicas(lowrank):
@@ -482,9 +483,7 @@ def _auto(rank, world, folder):
 
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory):
-    results = run(_auto, REPLICAS * SHARDS, str(tmp_path_factory.mktemp("auto")), timeout=150)
-    assert all(status == "ok" for status, _ in results), results
-    return [value for _, value in results]
+    return on_the_mesh(_auto, str(tmp_path_factory.mktemp("auto")))
 
 
 def test_auto_plans_each_group_and_reports_it(auto):
