@@ -267,16 +267,11 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None:
-    from provenance import write_csv
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
-    write_csv(Path(f"{out}.csv"), summary, fieldnames=list(dict.fromkeys(k for s in summary for k in s)))
+    head = tta.write_data(out, {"meta": meta, "summary": summary, "rows": rows}, summary)
     tta.plot(rows, summary, Path(f"{out}.png"), baseline="native fp32 HSDP")
     peers = [key for _, key in PEERS if any(key in s for s in summary)]
     fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
-    lines = [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`.",
-             "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + ".",
+    lines = [*head,
              f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
              f"parameters), each decoder layer and the root one FSDP2 group; batch {meta['batch_size']} x "
              f"{meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}; text: the Python standard library's source, "

@@ -584,18 +584,24 @@ def compute_note(chosen: dict, codec_cost: str) -> str:
             f"{charged}the link's per-message latency charged the same factor")
 
 
-def report(rows, summary, picks, meta, out: Path) -> None:
+def write_data(out: Path, data: dict, summary: list[dict]) -> list[str]:
+    """OUT.json (``data``) and OUT.csv (``summary``); returns the report's title and provenance lines."""
     from provenance import write_csv
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "picks": list(picks.values()), "summary": summary,
-                                               "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(data, indent=1))
     write_csv(Path(f"{out}.csv"), summary, fieldnames=list(dict.fromkeys(k for s in summary for k in s)))
+    meta = data["meta"]
+    return [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`.",
+            "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + "."]
+
+
+def report(rows, summary, picks, meta, out: Path) -> None:
+    head = write_data(out, {"meta": meta, "picks": list(picks.values()), "summary": summary, "rows": rows}, summary)
     plot(rows, summary, Path(f"{out}.png"))
     peers = [key for _, key in PEERS if any(key in s for s in summary)]
     fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
-    lines = [f"# {meta['title']}", "", f"Machine: {meta['machine']}; commit {meta['commit']}; command: `{meta['command']}`.",
-             "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + ".",
+    lines = [*head,
              f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
              f"parameters), batch {meta['batch_size']} x {meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}, "
              f"DDP buckets of {meta['bucket_mb']} MB; text: the Python standard library's source, every 10th file "
