@@ -57,8 +57,11 @@ from hook_lab import add_ratios, format_ratio, per_contestant  # noqa: E402
 NODES, PER_NODE = 2, 2
 BASELINE = "native-fp32"  # sets each round's target
 # label -> ("native", FSDP's reduce dtype) or time_to_accuracy's ("netgain", codec, options)
-CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloat16"),
-               **{label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] == "netgain"}}
+NETGAIN = {label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] == "netgain"}
+# <label>-held: the same codec with register(..., overlap=False), every group's average holding the backward
+HELD = ("gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto")
+CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloat16"), **NETGAIN,
+               **{f"{label}-held": (*NETGAIN[label][:2], {**NETGAIN[label][2], "overlap": False}) for label in HELD}}
 DEFAULT_CONTESTANTS = [BASELINE, "native-bf16", "gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto"]
 PEERS = ((BASELINE, "x_fp32"), ("native-bf16", "x_bf16"))  # ratio columns: the peer's time to target / the contestant's
 PEER_TITLES = {"x_fp32": "x native fp32", "x_bf16": "x native bf16"}
@@ -120,7 +123,7 @@ def worker(args) -> None:
         # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
         native_wire = None if state is not None else (getattr(torch, CONTESTANTS[label][1]).itemsize
                                                       * sum(p.to_local().numel() for p in model.parameters()))
-        train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
+        train_s, eval_s, wire, held, step_times, steady, left = 0.0, 0.0, [], [], [], None, False
         curve = [(0, 0.0, validate(model))] if evaluate else []  # (step, train seconds, validation loss)
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
@@ -132,6 +135,7 @@ def worker(args) -> None:
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
             wire.append(native_wire if state is None else state.last_step["wire_bytes"])
+            held.append(None if state is None else state.last_step["held_s"])
             if evaluate and (step + 1) % args.eval_every == 0:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
@@ -149,7 +153,7 @@ def worker(args) -> None:
         if state is not None:
             state.close()
         return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
-                "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire,
+                "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire, "step_held_s": held,
                 "steady_step_s": steady, "left_race": left, "train_s": train_s, "eval_s": eval_s,
                 "wall_s": time.perf_counter() - began, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
@@ -260,7 +264,10 @@ def summarise(rows: list[dict]) -> list[dict]:
         budget = [r["budget_loss"] for r in mine]
         row = {"rate": rate, "workers": workers, "contestant": label, **tta.race_summary(mine),
                "budget_loss": None if None in budget else statistics.median(budget),
-               "round_wall_s": statistics.median(r["wall_s"] for r in mine)}
+               "round_wall_s": statistics.median(r["wall_s"] for r in mine),
+               # the seconds a step's backward spent in netgain's hook: the median step's, median over rounds
+               "held_s": None if None in mine[0].get("step_held_s", [None])
+               else statistics.median(statistics.median(r["step_held_s"][tta.FIRST_STEPS:] or r["step_held_s"]) for r in mine)}
         add_ratios(row, by_round, label, "time_to_target", PEERS)
         out.append(row)
     return out
@@ -294,7 +301,9 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
              "interpolated between validations; median over rounds (min-max). x native: per-round ratio of native "
              f"HSDP's time to target to the contestant's (> 1: sooner). Val loss at step {meta['budget']}: every "
              "contestant after the same steps; round s: a contestant's wall time per round (build, training, "
-             "validations). Medians over rounds."]
+             "validations). Medians over rounds. Hook holds the backward: the seconds a step's backward spent in "
+             "netgain's hook calls (median of the steps after the first "
+             f"{tta.FIRST_STEPS}); <codec>-held: the same codec with register(..., overlap=False)."]
     for note in meta.get("skipped", {}).items():
         lines += ["", "Skipped %s: %s" % note]
     for rate in dict.fromkeys(s["rate"] for s in summary):
@@ -303,15 +312,16 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
         lines += ["", f"## {rate} between the nodes", "", f"Target {' / '.join(targets)} (round by round).", "",
                   f"| contestant | reached | time to target s (min-max) | without the first {tta.FIRST_STEPS} steps | "
                   + " | ".join(PEER_TITLES[k] for k in peers) + " | steps to target | steady step s | "
-                  f"wire MB/step/rank | val loss at step {meta['budget']} | final val loss | round s |",
-                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|"]
+                  f"hook holds the backward s/step | wire MB/step/rank | val loss at step {meta['budget']} | "
+                  "final val loss | round s |",
+                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|---|"]
         for s in mine:
             spread = "" if s["tta_s"] == math.inf else f" ({fmt(s['tta_min'], '.1f')}-{fmt(s['tta_max'], '.1f')})"
             left = f" (left the race {s['left_race']}x)" if s["left_race"] else ""
             lines.append(f"| {s['contestant']} | {s['reached']}{left} | {fmt(s['tta_s'], '.1f')}{spread} | "
                          f"{fmt(s['tta_after_first_s'], '.1f')} | " + " | ".join(format_ratio(s, k) for k in peers)
                          + f" | {fmt(s['steps_to_target'], '.1f')} | {fmt(s['steady_step_s'], '.3f')} | "
-                         f"{s['wire_MB']:.3f} | {fmt(s['budget_loss'], '.4f')} | {s['final_loss']:.4f} | "
+                         f"{fmt(s.get('held_s'), '.3f')} | {s['wire_MB']:.3f} | {fmt(s['budget_loss'], '.4f')} | {s['final_loss']:.4f} | "
                          f"{s['round_wall_s']:.0f} |")
         best = min(mine, key=lambda s: s["tta_s"])
         lines += ["", f"Fastest to target at {rate}: {best['contestant']} ({fmt(best['tta_s'], '.1f')} s)."]

@@ -106,6 +106,15 @@ def _aggregates(rank, world):
             model.zero_grad(set_to_none=True)
         results[label] = {"estimates": estimates, "last_step": state.last_step, "steps": state.step}
     results["reference"] = reference
+    for overlap in (True, False):  # the average started and left on the wire, or held; then a second backward
+        state = fsdp.register(model, mesh, GlobalQSGDConfig(bits=4), min_compress_numel=0, overlap=overlap)
+        started, start = [], state.start_flat
+        state.start_flat = lambda index, *rest: (started.append((state.step, index)), start(index, *rest))
+        _loss(model, rank).backward()
+        first = _grads(model)
+        _loss(model, rank, 1).backward()  # accumulates into the gradients there: FSDP reads them in its hook
+        results[f"overlap={overlap}"] = {"first": first, "accumulated": _grads(model), "started": started}
+        model.zero_grad(set_to_none=True)
     x, y = _batch(rank)
     if rank == 3:
         x[0, 0] = float("nan")
@@ -176,6 +185,19 @@ def test_statistics_of_every_step(aggregates):
         assert {r["codec"] for r in last["per_bucket"]} == {"gqsgd(bits=8,encoding=packed)"}
         assert 3 < last["compression_ratio"] < 4
         assert rank["none"]["last_step"]["compression_ratio"] == 1.0  # fp32, no header
+
+
+def test_overlapped_averages_are_the_held_ones_bit_for_bit_and_accumulation_is_held(aggregates):
+    """overlap=True starts every group's average and returns (the backward goes on); the step's end waits for
+    them, so the optimizer reads the same bits as with overlap=False. A backward that accumulates into
+    gradients already there is held group by group: FSDP adds the hook's tensor to them right after it."""
+    for result in aggregates:
+        on, off = result["overlap=True"], result["overlap=False"]
+        assert on["started"] and {step for step, _ in on["started"]} == {0} and not off["started"]
+        assert len(on["started"]) == len(on["first"]) // 2  # every group (weight and bias) of the first step
+        for name in on["first"]:
+            assert torch.equal(on["first"][name], off["first"][name])
+            assert torch.equal(on["accumulated"][name], off["accumulated"][name])
 
 
 def test_nan_and_plan_mismatch_raise_on_every_rank(aggregates):

@@ -16,8 +16,12 @@ gradients. This is the pattern torchft uses.
 
 The group's flat output is one bucket of the DDP pipeline (bucket.py): the same header
 (global per-parameter scales, the non-finite flag and the plan signature in one allreduce MAX),
-codecs and per-step statistics. The hook runs synchronously inside FSDP's post-backward: FSDP
-reads the gradients right after it returns.
+codecs and per-step statistics. FSDP views the output as the sharded gradients right after the hook
+returns, but reads them only at the backward's end where it divides nothing after the hook, casts
+nothing and accumulates nothing (`FSDPCommState._unread`): there the hook starts the group's average on
+the pipeline's thread and returns, so it crosses the link while the backward and the next groups'
+reduce-scatters go on, and the step's end waits for it (`overlap`, the default). Elsewhere the hook
+holds the backward until the group's average is done.
 
 The hook's process group is this rank's replicate group: the ranks that hold the same shard. auto,
 kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard position prices and plans
@@ -27,9 +31,9 @@ final callback), once per backward on every rank; there the planner ends its ste
 group, and then one allreduce MAX over the shard group tells every rank whether any shard position's
 replicas failed (NaN/Inf, a plan mismatch): a failure raises on every rank of the mesh, so no replica
 steps while another stops. A failed replicate group's later buckets send nothing until then, while
-FSDP's reduce-scatters go on, so every rank reaches the step's end. The backward waits through each
-bucket: the statistics' wait_s is that time, and backward_s (kimad's default budget) the backward's
-time without it; the planner's link time is its own collectives', not FSDP's inside the node.
+FSDP's reduce-scatters go on, so every rank reaches the step's end. The statistics' wait_s is the time
+the step waited for the buckets (held in the hook, or at the step's end for those started), and
+backward_s (kimad's default budget) the backward's time without it; the planner's link time is its own collectives', not FSDP's inside the node.
 
 FSDP2 shards each parameter on one dimension, so this rank's padded shard of a weight is itself a
 matrix, the same shard on every replica: low rank runs on it across the replicas, its residual
@@ -79,12 +83,13 @@ class FSDPCommState(CommState):
     torch.distributed.checkpoint Stateful: see there.
     """
 
-    def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str]):
+    def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str], overlap: bool = True):
         super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
-        self.mesh = mesh
+        self.mesh, self.overlap = mesh, overlap
         self._shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
         self._shard, self._shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
+        self._param_groups: dict[int, object] = {}  # group index -> its FSDPParamGroup
         self._flat_layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._in_step = False
         self._failure: Exception | None = None  # this step's error on this replicate group, raised at its end
@@ -102,14 +107,31 @@ class FSDPCommState(CommState):
         try:
             layout = self._flat_layout(index, flat)
         except Exception:  # this rank's own (a parameter without a gradient): raised now
-            self._in_step, self._jobs = False, []  # autograd skips final callbacks once a backward raises
+            self._in_step, self._jobs, self._started = False, [], []  # autograd skips final callbacks once a backward raises
             raise
         if self._failure is None:
             self._device = flat.device
+            if self.pipeline is None:
+                self._start(side_stream=self.overlap)
             try:
-                self.reduce_flat(index, flat, layout)
+                if self.overlap and self._unread(index, flat):
+                    self.start_flat(index, flat, layout)
+                else:
+                    self.reduce_flat(index, flat, layout)
             except Exception as error:
                 self._failure = error
+
+    def _unread(self, index: int, flat: torch.Tensor) -> bool:
+        """Whether FSDP leaves ``flat`` unread until the backward's end, so its average may cross the link while
+        the backward goes on (`start_flat`): FSDP divides nothing after the hook (fp32 or bf16 reduced with its
+        average op), views the output as the sharded gradients without a cast (reduced in the parameters' dtype),
+        and neither adds it to a gradient already there (accumulation), copies it to the CPU (offload), nor
+        hands it to a post-accumulate-grad hook (torch 2.13's `foreach_reduce`)."""
+        group = self._param_groups[index]
+        return (flat.dtype in (torch.float32, torch.bfloat16) and not group.force_sum_reduction_for_comms
+                and group._orig_dtype in (None, flat.dtype)
+                and not any(p.sharded_param.grad is not None or p.offload_to_cpu
+                            or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None) for p in group.fsdp_params))
 
     def _close_step(self) -> None:
         """The backward's end: statistics and the planner's end of step (on the replicate group), then every
@@ -260,24 +282,31 @@ def _shape(mesh) -> str:
     return " x ".join(map(str, mesh)) if isinstance(mesh, list) else repr(mesh)
 
 
-def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "auto", **options) -> FSDPCommState:
+def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "auto", *, overlap: bool = True,
+             **options) -> FSDPCommState:
     """Run the cross-replica gradient all-reduce of ``model`` through a netgain codec; returns its state.
 
     ``model``: fully_shard-ed (root and submodules) over ``mesh["shard"]``; ``mesh``: the 2-D
     (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register (CODECS): "auto" (the default:
     per FSDP group, the fastest option at the measured link, planned per shard position), a fixed codec
-    (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. Collective over
-    the default group: raises PlanMismatchError on every rank when the ranks' configs differ.
+    (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. ``overlap``: a
+    group's average crosses the link while the backward goes on, wherever FSDP reads the group's gradients
+    only at the backward's end (`FSDPCommState._unread`); False: every group's average holds the backward
+    until it is done. Collective over the default group: raises PlanMismatchError on every rank when the
+    ranks' configs differ.
     """
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
     comm = comm_config(config, **options)
     _check_mesh(model, mesh)
-    state = FSDPCommState(comm, mesh=mesh, param_names={id(p): name for name, p in model.named_parameters()})
+    state = FSDPCommState(comm, mesh=mesh, param_names={id(p): name for name, p in model.named_parameters()},
+                          overlap=overlap)
     state.check_config(None)  # every rank of the job, not only this replicate group
     for index, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
         param_group = module._get_fsdp_state()._fsdp_param_group
         if param_group is None:  # fully_shard of a module without parameters of its own
             continue
-        state._groups[index] = param_group.fsdp_params
+        state._groups[index], state._param_groups[index] = param_group.fsdp_params, param_group
         module.set_all_reduce_hook(lambda flat, index=index: state.reduce(index, flat))
     model.register_forward_hook(lambda *_: state.forward_done())
     return state

@@ -13,13 +13,14 @@ the checkpoints.
 `hook` keeps its annotations unquoted (no `from __future__ import annotations`): DDP checks them.
 """
 
+import concurrent.futures
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from .bucket import UNCOMPRESSED, BucketJob, NonFiniteGradientError, PlanMismatchError, Pipeline
+from .bucket import UNCOMPRESSED, BucketJob, NonFiniteGradientError, PlanMismatchError, Pipeline, _NotSent
 from .codecs import Codec, Planner
 from .config import CommConfig, comm_config
 from .store import FORMAT, BucketLayout, StateStore
@@ -54,9 +55,11 @@ class CommState:
         self._layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._config_checked = False
         self._jobs: list[BucketJob] = []     # this step's buckets so far, in order (a new list per step)
+        self._started: list[BucketJob] = []  # of them, those start_flat left on the communication thread
         self._forward_end: float | None = None
         self._first_submit = self._last_submit = 0.0
-        self._inline_s = 0.0  # this step's seconds inside reduce_flat: a caller's backward (FSDP's) waited through them
+        self._inline_s = 0.0  # this step's seconds in reduce_flat and end_step's wait: a caller (FSDP's backward) waited
+        self._held_s = 0.0    # this step's seconds the caller's thread spent in the hook's calls (statistics: held_s)
         self._lock = threading.Lock()
 
     def codec_for(self, index: int, numel: int) -> Codec:
@@ -87,13 +90,16 @@ class CommState:
         self._jobs.append(job)
         if job.last:
             self._jobs = []  # the next backward's buckets start a new step, whenever this one ends
-        self.pipeline.submit(job)
+        try:
+            self.pipeline.submit(job)
+        finally:
+            self._held_s += time.perf_counter() - self._last_submit
         return result
 
     def _submitted(self) -> float:
         now = time.perf_counter()
         if not self._jobs:
-            self._first_submit, self._inline_s = now, 0.0
+            self._first_submit, self._inline_s, self._held_s = now, 0.0, 0.0
         self._last_submit = now
         return now
 
@@ -122,29 +128,63 @@ class CommState:
     def reduce_flat(self, index: int, flat: torch.Tensor, layout: BucketLayout) -> None:
         """Average ``flat`` across the process group in place through bucket ``index``'s codec; return when done.
 
-        The caller's thread and stream do the work (no hand-off: the caller reads ``flat`` next).
-        The bucket joins this step's statistics until `end_step()`. Raises NonFiniteGradientError
-        or PlanMismatchError on every rank.
+        The caller's thread and stream do the work (no hand-off: the caller reads ``flat`` next), unless
+        buckets started this step (`start_flat`) are still on the communication thread: it then goes after
+        them, so every rank issues the collectives in the same order. The bucket joins this step's
+        statistics until `end_step()`. Raises NonFiniteGradientError or PlanMismatchError on every rank.
         """
         start = self._submitted()
         if self.pipeline is None:
             self._start(side_stream=False)
         job = BucketJob(index, flat, layout, torch.futures.Future(), step_jobs=self._jobs)
+        started = any(not j.done.done() for j in self._jobs)
         self._jobs.append(job)
         try:
-            self.pipeline.run_now(job)
-            if job.out is not flat:
-                flat.copy_(job.out)
-            if flat.is_cuda:  # the decode ran on the collective's stream: finish it before the caller's reads
-                torch.cuda.synchronize(flat.device)
+            if started:
+                self.pipeline.submit(job)
+                job.done.result()
+                if job.verdict.exception() is not None:
+                    raise job.verdict.exception()
+            else:
+                self.pipeline.run_now(job)
+            _settle(job)
         finally:
-            self._inline_s += time.perf_counter() - start
+            held = time.perf_counter() - start
+            self._inline_s += held
+            self._held_s += held
+
+    def start_flat(self, index: int, flat: torch.Tensor, layout: BucketLayout) -> None:
+        """Start averaging ``flat`` in place through bucket ``index``'s codec and return at once: it crosses the
+        link on the communication thread while the caller goes on (FSDP: the next group's backward and
+        reduce-scatter). The caller must not read ``flat`` before `end_step()`, which waits for it and raises
+        the step's first error (NonFiniteGradientError, PlanMismatchError) on every rank."""
+        start = self._submitted()
+        if self.pipeline is None:
+            self._start(side_stream=True)
+        job = BucketJob(index, flat, layout, torch.futures.Future(), step_jobs=self._jobs)
+        self._jobs.append(job)
+        self._started.append(job)
+        try:
+            self.pipeline.submit(job)
+        finally:
+            self._held_s += time.perf_counter() - start
 
     def end_step(self) -> None:
-        """Close the step of `reduce_flat` buckets: statistics, the planner's end of step."""
+        """Close the step of `reduce_flat` and `start_flat` buckets: wait for the started ones, then the
+        statistics and the planner's end of step; raise the step's first error."""
         if self._jobs:
-            jobs, self._jobs = self._jobs, []
+            jobs, self._jobs, started, self._started = self._jobs, [], self._started, []
+            start = time.perf_counter()
+            concurrent.futures.wait([job.done for job in started])
+            self._inline_s += time.perf_counter() - start if started else 0.0
+            for job in started:
+                if job.out is not None:
+                    _settle(job)
             self.pipeline.end_step(jobs)
+            errors = [job.verdict.exception() for job in started]  # reduce_flat's were raised to its caller
+            error = next((e for e in errors if e is not None and not isinstance(e, _NotSent)), None)
+            if error is not None:
+                raise error
 
     # ---- statistics ----------------------------------------------------------------------------
     def close_step(self, jobs: list[BucketJob], done: float, link) -> None:
@@ -153,11 +193,11 @@ class CommState:
         records = [job.record for job in jobs if job.record is not None]
         totals = {key: sum(r.get(key, 0.0) for r in records)
                   for key in ("wire_bytes", "raw_bytes", "comm_s", "encode_s", "decode_s")}
-        if self._inline_s:  # buckets run inline (reduce_flat, FSDP's hook): the backward waited through each one
+        if self._inline_s:  # buckets run inline (reduce_flat, FSDP's hook) or waited for at the step's end
             wait_s, backward_end = self._inline_s, done - self._inline_s
         else:  # DDP's: the backward ends at its last bucket, which the step's end waits for
             wait_s, backward_end = max(0.0, done - self._last_submit), self._last_submit
-        totals.update(step=self.step, buckets=len(records), wait_s=wait_s,
+        totals.update(step=self.step, buckets=len(records), wait_s=wait_s, held_s=self._held_s,
                       backward_s=backward_end - (self._forward_end or self._first_submit),
                       compression_ratio=totals["raw_bytes"] / max(totals["wire_bytes"], 1))
         try:
@@ -234,12 +274,20 @@ class CommState:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(pipeline=None, process_group=None, link=None, _lock=None, _layouts={}, _jobs=[])
+        state.update(pipeline=None, process_group=None, link=None, _lock=None, _layouts={}, _jobs=[], _started=[])
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def _settle(job: BucketJob) -> None:
+    """The decoded mean into the job's own buffer, finished on the device before the caller reads it."""
+    if job.out is not job.buffer:
+        job.buffer.copy_(job.out)
+    if job.buffer.is_cuda:  # the decode ran on the collective's (or the pipeline's) stream
+        torch.cuda.synchronize(job.buffer.device)
 
 
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
