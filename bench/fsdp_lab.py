@@ -123,7 +123,7 @@ def worker(args) -> None:
         # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
         native_wire = None if state is not None else (getattr(torch, CONTESTANTS[label][1]).itemsize
                                                       * sum(p.to_local().numel() for p in model.parameters()))
-        train_s, eval_s, wire, held, step_times, steady, left = 0.0, 0.0, [], [], [], None, False
+        train_s, eval_s, wire, held, plans, step_times, steady, left = 0.0, 0.0, [], [], [], [], None, False
         curve = [(0, 0.0, validate(model))] if evaluate else []  # (step, train seconds, validation loss)
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
@@ -136,6 +136,9 @@ def worker(args) -> None:
             optimizer.zero_grad(set_to_none=True)
             wire.append(native_wire if state is None else state.last_step["wire_bytes"])
             held.append(None if state is None else state.last_step["held_s"])
+            plan = None if state is None else [str(state.last_step.get("plan")), bool(state.last_step.get("trying"))]
+            if plan is not None and state.planner is not None and (not plans or plans[-1][1:] != plan):
+                plans.append([step, *plan])  # auto/kimad: this rank's shard position's plan by step, and whether on trial
             if evaluate and (step + 1) % args.eval_every == 0:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
@@ -154,6 +157,7 @@ def worker(args) -> None:
             state.close()
         return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
                 "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire, "step_held_s": held,
+                "plans": plans,
                 "steady_step_s": steady, "left_race": left, "train_s": train_s, "eval_s": eval_s,
                 "wall_s": time.perf_counter() - began, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
