@@ -90,6 +90,8 @@ CONTESTANTS = {
     "post-local-h16": ("post-local", {"period": 16, "warmup_steps": 0}),
     "kimad": ("netgain", "kimad", {}),
     "auto": ("netgain", "auto", {}),
+    # auto offered the route of local steps (netgain.sync.offer): DDP's hook and loop unchanged
+    "auto-sync": ("route",),
 }
 DEFAULT_CONTESTANTS = ["ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r4", "ddp-powersgd-r32", "fp16", "gqsgd-8",
                        "gqsgd-4", "gqsgd-2", "gqsgd-exp-8", "topk-1%", "randomk-1%", "lowrank-r4-fp32", "lowrank-r4-gqsgd8",
@@ -187,6 +189,10 @@ def register(ddp, spec, optimizer):
         return BF16Hook(ddp)
     if spec is not None and spec[0] == "post-local":
         return PostLocalSGD(ddp, optimizer, **spec[1])
+    if spec is not None and spec[0] == "route":
+        import netgain.sync
+
+        return netgain.sync.offer(register_contestant(ddp, CONTESTANTS["auto"]), ddp, optimizer)
     return register_contestant(ddp, spec)
 
 

@@ -42,6 +42,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import numbers
+import statistics
 import time
 import types
 import zlib
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .comm.adaptive import TRIAL_RANGE
 from .comm.bucket import on_stream
 from .comm.codecs import NonFiniteGradientError, PlanMismatchError, check_integer
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
@@ -59,7 +61,8 @@ from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
 from .comm.store import BucketLayout
 
-__all__ = ["CODECS", "NonFiniteGradientError", "PlanMismatchError", "SyncConfig", "SyncOptimizer", "wrap"]
+__all__ = ["CODECS", "LocalRoute", "NonFiniteGradientError", "PlanMismatchError", "SyncConfig", "SyncOptimizer", "offer",
+           "wrap"]
 
 FORMAT = "netgain.sync/1"
 CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
@@ -237,12 +240,16 @@ class SyncOptimizer:
         some rank (at the step its average was due), PlanMismatchError when ranks disagree.
         """
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.after_inner_step()
+        return loss
+
+    def after_inner_step(self) -> None:
+        """The outer work due after an inner step taken by the caller (`step()` without the inner step)."""
         self.inner_steps += 1
         fragment = self._due.get(self.inner_steps % self.config.period)
         if fragment is not None:
             self._launch(fragment)
         self._apply_due(self.inner_steps)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -367,6 +374,155 @@ class SyncOptimizer:
         `wait()` first to apply them). Call before destroying the process group."""
         self._executor.shutdown(wait=True)
         self.comm.close()
+
+
+# auto's route of local steps: its settings (periodic averaging in 4 bits, DiLoCo's outer step off) and their steps
+# to the target as a multiple of fp32 DDP's, measured with bench/time_to_accuracy.py (sync-h8-b4-avg) on the lab's lm
+# job, 3 workers, 3 seeds: 158.6-170.7 steps to fp32's 120 at 1 Gbit/s, 162.5 at 10 Mbit/s
+# (bench/results/time_to_accuracy_auto_sync_1gbit_3w_ed2ff69.md, ..._sync_postlocal_10mbit_3w_259a6e0.md)
+ROUTE = SyncConfig(period=8, bits=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False, overlap_steps=1)
+ROUTE_STEPS = 1.35
+ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial; its first step (building it) is left out
+ROUTE_FORMAT = "netgain.route/1"
+
+
+class LocalRoute:
+    """auto's route of local steps beside its per-step plans: build it with `offer`.
+
+    Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
+    it (`_predicted`), every rank takes ROUTE_TRIAL_SYNCS periods of local steps
+    (the DDP hook hands each rank its own gradient back, and a SyncOptimizer averages the parameters every
+    period, in summable codes). Its price is its mean step (the slowest rank's) times its steps to the target
+    (``steps``); it stays where that is below the per-step plan's price, else the per-step plan runs again
+    from the average just applied (every replica then holds the same parameters, and the mean of the inner
+    optimizer's states). The choice is made once.
+
+    ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
+    averages' statistics). `state_dict()` / `load_state_dict()` checkpoint the hook's state with the route's:
+    save rank 0's alone, in place of the comm state, model and optimizer.
+    """
+
+    def __init__(self, state: CommState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 config: SyncConfig, steps: float):
+        self.state, self.model, self.optimizer, self.config, self.steps = state, model, optimizer, config, steps
+        self.phase, self.sync = "per-step", None
+        self.price: float | None = None  # the per-step plan's price when the trial began
+        self._times: list[float] = []    # the trial's step seconds, this rank's
+        self._last: float | None = None
+        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _after_step(self) -> None:
+        now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
+        if self.sync is None:
+            price = self.state.planner.settled_price() if self.phase == "per-step" else None
+            if price is not None:
+                self.price = price
+                if self._predicted() <= TRIAL_RANGE * price:
+                    self._enter("trial")
+                else:  # the model prices it far dearer: no trial (at 10 Mbit/s one cost 17 local steps of 0.23 s)
+                    self.phase = "per-step-chosen"
+            return
+        self.sync.after_inner_step()
+        if self.phase != "trial":
+            return
+        if last is not None:  # (none in the first step after a resume)
+            self._times.append(now - last)
+        if self.sync.inner_steps >= ROUTE_TRIAL_SYNCS * self.config.period + self.config.overlap_steps:
+            mean = torch.tensor(statistics.mean(self._times[1:]), dtype=torch.float64)
+            dist.all_reduce(mean, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
+            if mean.item() * self.steps < self.price:
+                self.phase = "local"
+            else:
+                self._leave()
+
+    def _predicted(self) -> float:
+        """The model's price of the route, as auto prices a plan it has not run: the step's other time plus one
+        period's average on the monitor's fit of the link, per step, times the route's steps to the target.
+        Agreed: the same on every rank."""
+        planner, world_size = self.state.planner, dist.get_world_size(self.state.process_group)
+        numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        payload = numel * self.config.comm_config().codec.build().wire_bits(world_size) / 8
+        link_s = planner.monitor.predict_s("allreduce", payload, world_size)
+        return (planner.compute_s() + link_s / self.config.period) * self.steps
+
+    def _enter(self, phase: str) -> None:
+        """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
+        self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group)
+        self.state.local, self.phase, self._times = True, phase, []
+
+    @torch.no_grad()
+    def _leave(self) -> None:
+        """Per-step again, right after an average was applied with none pending: every replica holds it. The
+        inner optimizer's state (AdamW's moments), each rank's own after local steps, becomes its mean over the
+        ranks, so the replicas' averaged gradients make the same updates from here on."""
+        self.sync.close()
+        self.sync, self.state.local, self.phase = None, False, "per-step-chosen"
+        self.state.planner.pause()
+        state = [v for entry in self.optimizer.state.values() for v in entry.values()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if state:
+            flat = torch.cat([v.reshape(-1).to(torch.float64) for v in state])
+            dist.all_reduce(flat, group=self.state.process_group)
+            flat /= dist.get_world_size(self.state.process_group)
+            torch._foreach_copy_(state, [chunk.view_as(v) for chunk, v in zip(flat.split([v.numel() for v in state]), state)])
+
+    @property
+    def last_step(self) -> dict:
+        """The hook's statistics of the last step, with the route's ``phase`` and, while local, the averages it
+        applied in that step: their bytes in ``wire_bytes``, and ``plan`` "local"."""
+        last, applied = self.state.last_step, self.sync.applied if self.sync is not None else []
+        local = {"plan": "local", "trying": self.phase == "trial"} if self.sync is not None else {}
+        return {**last, **local, "phase": self.phase,
+                "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in applied)}
+
+    def close(self) -> None:
+        self._hook.remove()
+        if self.sync is not None:
+            self.sync.close()
+        self.state.close()
+
+    def state_dict(self) -> dict:
+        """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
+        optimizer state): collective, call it on every rank between steps."""
+        return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
+                "times": list(self._times), "sync": self.sync.state_dict() if self.sync is not None else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
+        if not (isinstance(saved, dict) and saved.get("format") == ROUTE_FORMAT
+                and saved.get("phase") in ("per-step", "trial", "local", "per-step-chosen")
+                and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))):
+            raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
+        self.state.load_state_dict(saved["comm"])
+        if self.sync is not None:
+            self.sync.close()
+            self.sync, self.state.local = None, False
+        if saved["sync"] is not None:
+            self._enter(saved["phase"])
+            self.sync.load_state_dict(saved["sync"])
+        self.phase, self.price, self._times = saved["phase"], saved["price"], [float(t) for t in saved["times"]]
+
+
+def offer(state: CommState, ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          config: SyncConfig = ROUTE, steps: float | None = None) -> LocalRoute:
+    """Let auto (``state``: `netgain.comm.register(ddp_model, "auto")`'s) take the route of local steps where
+    it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the training loop
+    steps (a post-step hook does the outer work; the loop is unchanged). ``config``: the route's SyncConfig,
+    one fragment and mix 0 (a switch back needs every replica equal); ``steps``: its steps to the target as a
+    multiple of fp32's, measured for the default ROUTE (ROUTE_STEPS), to be given for any other."""
+    if state.planner is None or state.planner.mode != "auto":
+        raise ValueError(f"offer() adds a route to auto's plans: state runs {state.describe()!r}, not 'auto'")
+    if config.fragments != 1 or config.mix != 0:
+        raise ValueError(f"the route needs fragments=1 and mix=0 (every replica equal after an average), got "
+                         f"fragments={config.fragments}, mix={config.mix}")
+    if steps is None and config != ROUTE:
+        raise ValueError("steps: the route's steps to the target as a multiple of fp32's is measured for "
+                         "netgain.sync.ROUTE only; pass steps= for another config")
+    steps = ROUTE_STEPS if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not 0 < steps < float("inf"):
+        raise ValueError(f"steps must be a number > 0, got {steps!r}")
+    model = getattr(ddp_model, "module", ddp_model)
+    return LocalRoute(state, model, optimizer, config, float(steps))
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig | None = None, *,

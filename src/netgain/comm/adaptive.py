@@ -418,6 +418,18 @@ class AdaptivePlanner:
         self._running.extend(saved["running"])
         self._beside_compiles = list(saved["beside_compiles"])
 
+    def settled_price(self) -> float | None:
+        """auto: the running plan's measured seconds to the target per fp32 step (its step x its steps to the
+        target) once nothing is on trial or waited for; else None. Agreed: the same on every rank."""
+        if (self.mode != "auto" or self._stale or self.trying or self._awaiting or self.climbing
+                or self._plan_key not in self._periods):
+            return None
+        return self._periods[self._plan_key] * max(steps_to_target(codec) for _, codec in self.plan.values())
+
+    def pause(self) -> None:
+        """The hook skipped steps (auto's route of local steps): the next step's time from the last is none of its own."""
+        self._last_end = None
+
     def budget_s(self) -> float | None:
         return self.time_budget_s if self.time_budget_s is not None else self._backward_s
 

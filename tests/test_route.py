@@ -1,0 +1,133 @@
+"""netgain.sync.offer: auto's route of local steps beside its per-step plans, on 2 gloo ranks.
+
+The per-step plan's measured price is set by hand (`settled_price`), so the route's choice is the test's:
+infinite, local steps win their trial; zero, the per-step plan wins it. Data are seeded by (rank, step) and
+the codecs' noise is counter-based, so every number is the same in every run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import netgain.comm as comm
+from netgain.sync import ROUTE, ROUTE_TRIAL_SYNCS, SyncConfig, offer
+
+from distributed import run
+
+TRIAL = ROUTE_TRIAL_SYNCS * ROUTE.period + ROUTE.overlap_steps  # the trial's inner steps
+
+
+def _routed(seed, price, predicted=0.0):
+    """auto offered the route, its per-step plan priced ``price`` and the route ``predicted`` by hand."""
+    torch.manual_seed(seed)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = comm.register(model, "auto", min_compress_numel=0)
+    state.planner.settled_price = lambda: price
+    route = offer(state, model, optimizer)
+    route._predicted = lambda: predicted
+    return model, optimizer, route
+
+
+def _steps(model, optimizer, route, rank, start, steps):
+    """Train; each step's (phase, whether the hook sent bytes, this rank's parameters)."""
+    out = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        out.append((route.phase, route.state.last_step["wire_bytes"] > 0,
+                    torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    return out
+
+
+def _gathered(params):
+    every = [torch.empty_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, params)
+    return all(torch.equal(every[0], p) for p in every)
+
+
+def chosen(rank, world_size):
+    """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), and with the route
+    predicted beyond TRIAL_RANGE of it (no trial)."""
+    out = {}
+    for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0)):
+        model, optimizer, route = _routed(0, price, predicted)
+        try:
+            steps = _steps(model, optimizer, route, rank, 0, 1 + TRIAL + 6)
+        finally:
+            route.close()
+        out[case] = {"phases": [phase for phase, _, _ in steps], "sent": [sent for _, sent, _ in steps],
+                     "equal": [_gathered(params) for _, _, params in steps]}
+    return out
+
+
+def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
+    """Step 0 is per-step (its plan settled by hand); steps 1..TRIAL are the trial: each rank keeps its own gradient
+    (replicas differ) but after each applied average (period 8, one step on the wire: steps 9, 17), when every
+    replica holds the average. Local steps then stay (price infinite), or the per-step plan runs again from that
+    average, replicas equal at every step and the hook sending every step (price near zero). A route the model
+    prices beyond TRIAL_RANGE x the per-step plan runs no trial."""
+    results = run(chosen, 2)
+    assert all(status == "ok" for status, _ in results), results
+    for _, value in results:
+        local, per_step, untried = value["local"], value["per-step"], value["no trial"]
+        assert local["phases"][:TRIAL] == ["trial"] * TRIAL  # the phase after each step: entered after step 0
+        assert local["phases"][TRIAL:] == ["local"] * (len(local["phases"]) - TRIAL)
+        applied = {s for s in range(ROUTE.period + 1, len(local["phases"])) if s % ROUTE.period == ROUTE.overlap_steps}
+        assert {s for s, equal in enumerate(local["equal"]) if equal} == {0} | applied
+        assert local["sent"][0] and not any(local["sent"][1:])  # per-step bytes at step 0 only; averages aside
+        assert per_step["phases"][TRIAL:] == ["per-step-chosen"] * (len(per_step["phases"]) - TRIAL)
+        assert all(per_step["equal"][TRIAL:]) and all(per_step["sent"][TRIAL + 1:])
+        assert untried["phases"] == ["per-step-chosen"] * len(untried["phases"]) and all(untried["equal"])
+
+
+def resumed(rank, world_size, path):
+    """Local steps, a save of rank 0's route state mid-period, more steps; a fresh run loads it and trains the same."""
+    saved_at, more = 1 + ROUTE.period + 3, 10
+    model, optimizer, route = _routed(0, float("inf"))
+    try:
+        _steps(model, optimizer, route, rank, 0, saved_at)
+        state = route.state_dict()
+        if rank == 0:
+            torch.save({"route": state, "model": model.module.state_dict()}, path)
+        dist.barrier()
+        first = _steps(model, optimizer, route, rank, saved_at, more)
+    finally:
+        route.close()
+    again, optimizer, route = _routed(1, float("inf"))  # another initialisation: the checkpoint replaces it
+    try:
+        saved = torch.load(path, weights_only=True)
+        again.module.load_state_dict(saved["model"])
+        route.load_state_dict(saved["route"])
+        second = _steps(again, optimizer, route, rank, saved_at, more)
+    finally:
+        route.close()
+    return {"phase": state["phase"], "same": all(a[0] == b[0] and torch.equal(a[2], b[2]) for a, b in zip(first, second))}
+
+
+def test_a_resume_of_the_route_from_rank_zeros_checkpoint_is_bit_for_bit(tmp_path):
+    for status, value in run(resumed, 2, str(tmp_path / "route.pt")):
+        assert status == "ok", value
+        assert value == {"phase": "trial", "same": True}, value
+
+
+def test_offer_explains_what_it_needs():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    auto = comm.CommState("auto")
+    with pytest.raises(ValueError, match="adds a route to auto's plans"):
+        offer(comm.CommState("gqsgd"), model, optimizer)
+    with pytest.raises(ValueError, match="fragments=1 and mix=0"):
+        offer(auto, model, optimizer, SyncConfig(period=8, fragments=2))
+    with pytest.raises(ValueError, match="measured for netgain.sync.ROUTE only"):
+        offer(auto, model, optimizer, SyncConfig(period=16))
+    with pytest.raises(ValueError, match="steps must be a number > 0"):
+        offer(auto, model, optimizer, SyncConfig(period=16), steps=0)
+    with pytest.raises(ValueError, match="not a netgain route state"):
+        offer(auto, model, optimizer).load_state_dict({"format": "x"})
