@@ -273,9 +273,12 @@ def worker(args) -> None:
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
+        # the route's choice: its phase at the end and the prices it compared (seconds to the target per fp32 step)
+        route = ({key: state.last_step.get(key) for key in ("phase", "per_step_price", "route_price")}
+                 if spec is not None and spec[0] == "route" else None)
         if state is not None:
             state.close()
-        return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire),
+        return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire), "route": route,
                 "step_times": step_times, "grad_norms": norms, "plans": plans, "step_wire_bytes": wire, "steady_step_s": steady, "left_race": left,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}

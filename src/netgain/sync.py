@@ -407,6 +407,7 @@ class LocalRoute:
         self.state, self.model, self.optimizer, self.config, self.steps = state, model, optimizer, config, steps
         self.phase, self.sync = "per-step", None
         self.price: float | None = None  # the per-step plan's price when the trial began
+        self.route_price: float | None = None  # the route's, measured on trial (or the model's, where it ran none)
         self._times: list[float] = []    # the trial's step seconds, this rank's
         self._last: float | None = None
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -417,9 +418,10 @@ class LocalRoute:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
             if price is not None:
                 self.price = price
-                if self._predicted() <= TRIAL_RANGE * price:
+                self.route_price = self._predicted()
+                if self.route_price <= TRIAL_RANGE * price:
                     self._enter("trial")
-                else:  # the model prices it far dearer: no trial (at 10 Mbit/s one cost 17 local steps of 0.23 s)
+                else:  # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
                     self.phase = "per-step-chosen"
             return
         self.sync.after_inner_step()
@@ -430,7 +432,8 @@ class LocalRoute:
         if self.sync.inner_steps >= ROUTE_TRIAL_SYNCS * self.config.period + self.config.overlap_steps:
             mean = torch.tensor(statistics.mean(self._times[1:]), dtype=torch.float64)
             dist.all_reduce(mean, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
-            if mean.item() * self.steps < self.price:
+            self.route_price = mean.item() * self.steps
+            if self.route_price < self.price:
                 self.phase = "local"
             else:
                 self._leave()
@@ -468,11 +471,12 @@ class LocalRoute:
 
     @property
     def last_step(self) -> dict:
-        """The hook's statistics of the last step, with the route's ``phase`` and, while local, the averages it
+        """The hook's statistics of the last step, with the route's ``phase``, the prices it compared (seconds
+        to the target per fp32 step: ``per_step_price``, ``route_price``) and, while local, the averages it
         applied in that step: their bytes in ``wire_bytes``, and ``plan`` "local"."""
         last, applied = self.state.last_step, self.sync.applied if self.sync is not None else []
         local = {"plan": "local", "trying": self.phase == "trial"} if self.sync is not None else {}
-        return {**last, **local, "phase": self.phase,
+        return {**last, **local, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
                 "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in applied)}
 
     def close(self) -> None:
@@ -485,7 +489,7 @@ class LocalRoute:
         """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
         optimizer state): collective, call it on every rank between steps."""
         return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
-                "times": list(self._times), "sync": self.sync.state_dict() if self.sync is not None else None}
+                "route_price": self.route_price, "times": list(self._times), "sync": self.sync.state_dict() if self.sync is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
         """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
@@ -500,7 +504,8 @@ class LocalRoute:
         if saved["sync"] is not None:
             self._enter(saved["phase"])
             self.sync.load_state_dict(saved["sync"])
-        self.phase, self.price, self._times = saved["phase"], saved["price"], [float(t) for t in saved["times"]]
+        self.phase, self.price, self.route_price = saved["phase"], saved["price"], saved.get("route_price")
+        self._times = [float(t) for t in saved["times"]]
 
 
 def offer(state: CommState, ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
