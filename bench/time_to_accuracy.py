@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -273,6 +274,15 @@ def worker(args) -> None:
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
+        # each step's time is the slowest rank's: ranks that step alone between averages (sync, post-local, a route's
+        # local steps) drift apart within a step, the barrier before the next waits for the slowest, and the wall
+        # clock with it; rank 0's own time hid that (per-step routes wait inside their collective anyway)
+        slowest = torch.tensor(step_times, dtype=torch.float64)
+        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+        step_times = slowest.tolist()
+        ends = [0.0, *itertools.accumulate(step_times)]
+        curve = [(s, ends[s], loss) for s, _, loss in curve]
+        train_s = ends[-1]
         # the route's choice: its phase at the end and the prices it compared (seconds to the target per fp32 step)
         route = ({key: state.last_step.get(key) for key in ("phase", "per_step_price", "route_price")}
                  if spec is not None and spec[0] == "route" else None)
@@ -621,7 +631,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
              f"{'' if meta['max_minutes'] is None else ' within ' + format(meta['max_minutes'], 'g') + ' minutes'}, contestants "
              f"interleaved within each (ddp first), each from the round's initial model; {meta['warmup']} untimed "
              "throwaway steps per contestant before round 0.",
-             "Time to target: the sum of step times (barrier to optimizer step; validations excluded) up to the target's "
+             "Time to target: the sum of step times (barrier to optimizer step, the slowest rank's; validations excluded) up to the target's "
              "crossing, interpolated between the last validation above it and the first at or below it (steps to "
              "target likewise); median over rounds (min-max), 'not reached' counted as infinite. "
              "x HOOK: per-round ratio of the hook's time to target to the contestant's (> 1: sooner than the hook), "
