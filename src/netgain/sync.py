@@ -393,9 +393,9 @@ class LocalRoute:
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
     it (`_predicted`), every rank takes ROUTE_TRIAL_SYNCS periods of local steps
     (the DDP hook hands each rank its own gradient back, and a SyncOptimizer averages the parameters every
-    period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price is its median step less
-    its waits for averages, plus those waits spread over its steps (the slowest rank's), times its steps to the
-    target (``steps``); it stays where that is below the per-step plan's price, else the per-step plan runs again
+    period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price, from the trial's last
+    period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
+    rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price, else the per-step plan runs again
     from the average just applied (every replica then holds the same parameters, and the mean of the inner
     optimizer's states). The choice is made once.
 
@@ -451,9 +451,12 @@ class LocalRoute:
             self._times.append(now - last - self.sync.wait_s)
             self._waits.append(self.sync.wait_s)
         if self.sync.inner_steps >= ROUTE_TRIAL_SYNCS * self.config.period + self.config.overlap_steps:
-            # a step's price: the median step less its wait (the user's own spikes, a validation, left out, as the
-            # per-step plan's median leaves them), plus the trial's waits for averages spread over its steps
-            step = statistics.median(self._times[1:]) + sum(self._waits[1:]) / len(self._waits[1:])
+            # a step's price, from the trial's last period (the first runs the sync's first calls: on the lab at
+            # 1 Gbit/s the steps after its first average took 0.19-0.22 s against 0.06-0.10): the median step less
+            # its wait (the user's own spikes, a validation, left out, as the per-step plan's median leaves them),
+            # plus the period's waits for averages spread over its steps
+            times, waits = self._times[-self.config.period:], self._waits[-self.config.period:]
+            step = statistics.median(times) + sum(waits) / len(waits)
             step = torch.tensor(step, dtype=torch.float64)
             dist.all_reduce(step, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
             self.route_price = step.item() * self.steps
