@@ -56,7 +56,7 @@ import torch.distributed as dist
 from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
-from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer
+from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
@@ -383,7 +383,7 @@ class SyncOptimizer:
 # (bench/results/time_to_accuracy_auto_sync_1gbit_3w_ed2ff69.md, ..._sync_postlocal_10mbit_3w_259a6e0.md)
 ROUTE = SyncConfig(period=8, bits=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False, overlap_steps=1)
 ROUTE_STEPS = 1.35
-ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial; its first step (building it) is left out
+ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial, and is priced on the last
 ROUTE_FORMAT = "netgain.route/1"
 
 
@@ -395,8 +395,8 @@ class LocalRoute:
     (the DDP hook hands each rank its own gradient back, and a SyncOptimizer averages the parameters every
     period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
-    rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price, else the per-step plan runs again
-    from the average just applied (every replica then holds the same parameters, and the mean of the inner
+    rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
+    else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
     optimizer's states). The choice is made once.
 
     ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
@@ -422,15 +422,9 @@ class LocalRoute:
         1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm)."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.numel()]
         fragment = _Fragment.build(0, 0, named)
-        codec = self.config.comm_config().codec.build()
         world, rank = dist.get_world_size(self.state.process_group), dist.get_rank(self.state.process_group)
-        scratch = Context.for_step(world, fragment.layout.segments, 0, 0, rank, tables={}, layout=fragment.layout)
-        x = fragment.global_
-        scratch.scales = codec.local_scales(x, scratch) if codec.needs_scales else None
-        if scratch.scales is not None:
-            scratch.scales = torch.where(scratch.scales > 0, scratch.scales, torch.ones_like(scratch.scales))
-        with kernel.compile_ahead():
-            codec.decode(codec.encode(x, scratch), torch.empty_like(x), scratch)
+        warm(self.config.comm_config().codec.build(), fragment.global_,
+             Context.for_step(world, fragment.layout.segments, 0, 0, rank, layout=fragment.layout))
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
@@ -522,7 +516,8 @@ class LocalRoute:
         """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
         optimizer state): collective, call it on every rank between steps."""
         return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
-                "route_price": self.route_price, "times": list(self._times), "waits": list(self._waits), "sync": self.sync.state_dict() if self.sync is not None else None}
+                "route_price": self.route_price, "times": list(self._times), "waits": list(self._waits),
+                "sync": self.sync.state_dict() if self.sync is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
         """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""

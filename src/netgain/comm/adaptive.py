@@ -71,7 +71,7 @@ from ..cost import network
 from . import kernel
 from .bandwidth import BandwidthMonitor, in_words, link_time
 from .calibrate import cached_profiles, codec_profile
-from .codecs import Cast, Codec, Context, GlobalQSGD, NoCompression, PlanMismatchError, TopK, check_integer
+from .codecs import Cast, Codec, GlobalQSGD, NoCompression, PlanMismatchError, TopK, check_integer, warm
 from .lowrank import LowRank
 from .quantize import levels_per_side
 
@@ -217,11 +217,7 @@ class AdaptivePlanner:
         measures the compiled path, not eager calls and a compile (on the lab at 1 Gbit/s, gqsgd's first trial
         steps took 0.68 s against 0.145 s steady). Stateless options only: low rank's state is its memory."""
         for option in sorted(o for i, o in self.warm if i == index):
-            codec = self.options[option]
-            scratch = Context(ctx.world_size, ctx.segments, ctx.noise_keys, ctx.shared_keys, tables=ctx.tables,
-                              layout=ctx.layout, scales=ctx.scales if ctx.scales is not None else codec.local_scales(x, ctx))
-            with kernel.compile_ahead():
-                codec.decode(codec.encode(x, scratch), torch.empty_like(x), scratch)
+            warm(self.options[option], x, ctx)
             self._warmed.add((index, option))
         self.warm = {(i, o) for i, o in self.warm if i != index}
 

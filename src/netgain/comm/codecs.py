@@ -18,14 +18,14 @@ import math
 import numbers
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, kernel
 from . import quantize as Q
 from .feedback import EF21
 from .fused import Segments
@@ -99,6 +99,19 @@ class Context:
         """A payload or scratch tensor kept with the bucket layout and reused every step: fresh memory
         costs a page fault per page on CPU (more than the codec's arithmetic) and a sync point on CUDA."""
         return self.table(("buffer", name, numel, dtype), lambda: torch.empty(numel, dtype=dtype, device=device))
+
+
+def warm(codec: "Codec", x: torch.Tensor, ctx: Context) -> None:
+    """Run a stateless ``codec`` once on ``x``, its output dropped, so that its kernels compile in the background
+    (kernel.compile_ahead) before a caller runs it hot; ``x`` and ``ctx`` stay as they were. Without the header's
+    scales in ``ctx``, this rank's own max |g| per parameter stands in (1 where a parameter is all zeros)."""
+    scales = ctx.scales
+    if scales is None and codec.needs_scales:
+        local = codec.local_scales(x, ctx)
+        scales = torch.where(local > 0, local, torch.ones_like(local))
+    scratch = replace(ctx, scales=scales, feedback=None, sent=None, carry={})
+    with kernel.compile_ahead():
+        codec.decode(codec.encode(x, scratch), torch.empty_like(x), scratch)
 
 
 class Codec:
