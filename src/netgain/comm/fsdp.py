@@ -89,6 +89,7 @@ class FSDPCommState(CommState):
     def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str], overlap: bool = True):
         super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
         self.mesh, self.overlap = mesh, overlap
+        self._overlapping = overlap and self.planner is None  # a planner's link samples need each group alone
         self._shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
         self._shard, self._shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
@@ -115,9 +116,9 @@ class FSDPCommState(CommState):
         if self._failure is None:
             self._device = flat.device
             if self.pipeline is None:
-                self._start(side_stream=self.overlap)
+                self._start(side_stream=self._overlapping)
             try:
-                if self.overlap and self.planner is None and self._unread(index, flat):
+                if self._overlapping and self._unread(index, flat):
                     self.start_flat(index, flat, layout)
                 else:
                     self.reduce_flat(index, flat, layout)

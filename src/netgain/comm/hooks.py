@@ -148,7 +148,7 @@ class CommState:
                     raise job.verdict.exception()
             else:
                 self.pipeline.run_now(job)
-            _settle(job)
+            _settle([job])
         finally:
             held = time.perf_counter() - start
             self._inline_s += held
@@ -175,12 +175,11 @@ class CommState:
         statistics and the planner's end of step; raise the step's first error."""
         if self._jobs:
             jobs, self._jobs, started, self._started = self._jobs, [], self._started, []
-            start = time.perf_counter()
-            concurrent.futures.wait([job.done for job in started])
-            self._inline_s += time.perf_counter() - start if started else 0.0
-            for job in started:
-                if job.out is not None:
-                    _settle(job)
+            if started:
+                start = time.perf_counter()
+                concurrent.futures.wait([job.done for job in started])
+                _settle([job for job in started if job.out is not None])
+                self._inline_s += time.perf_counter() - start
             self.pipeline.end_step(jobs)
             errors = [job.verdict.exception() for job in started]  # reduce_flat's were raised to its caller
             error = next((e for e in errors if e is not None and not isinstance(e, _NotSent)), None)
@@ -283,12 +282,13 @@ class CommState:
         self._lock = threading.Lock()
 
 
-def _settle(job: BucketJob) -> None:
-    """The decoded mean into the job's own buffer, finished on the device before the caller reads it."""
-    if job.out is not job.buffer:
-        job.buffer.copy_(job.out)
-    if job.buffer.is_cuda:  # the decode ran on the collective's (or the pipeline's) stream
-        torch.cuda.synchronize(job.buffer.device)
+def _settle(jobs: list[BucketJob]) -> None:
+    """Each job's decoded mean into its own buffer, finished on the device (once) before the caller reads them."""
+    for job in jobs:
+        if job.out is not job.buffer:
+            job.buffer.copy_(job.out)
+    if jobs and jobs[0].buffer.is_cuda:  # the decodes ran on the collectives' (or the pipeline's) stream
+        torch.cuda.synchronize(jobs[0].buffer.device)
 
 
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
