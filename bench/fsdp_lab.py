@@ -281,7 +281,7 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
     head = tta.write_data(out, {"meta": meta, "summary": summary, "rows": rows}, summary)
     tta.plot(rows, summary, Path(f"{out}.png"), baseline="native fp32 HSDP")
     peers = [key for _, key in PEERS if any(key in s for s in summary)]
-    fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
+    fmt = tta.fmt
     lines = [*head,
              f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
              f"parameters), each decoder layer and the root one FSDP2 group; batch {meta['batch_size']} x "

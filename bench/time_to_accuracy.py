@@ -615,11 +615,15 @@ def write_data(out: Path, data: dict, summary: list[dict]) -> list[str]:
             "Load average (1 min): " + ", ".join(f"{c} {v:.2f}" for c, v in meta["load"].items()) + "."]
 
 
+def fmt(value, spec: str) -> str:
+    """A report cell: empty for None, 'not reached' for an infinite time to target."""
+    return "" if value is None else "not reached" if value == math.inf else format(value, spec)
+
+
 def report(rows, summary, picks, meta, out: Path) -> None:
     head = write_data(out, {"meta": meta, "picks": list(picks.values()), "summary": summary, "rows": rows}, summary)
     plot(rows, summary, Path(f"{out}.png"))
     peers = [key for _, key in PEERS if any(key in s for s in summary)]
-    fmt = lambda v, spec: "" if v is None else "not reached" if v == math.inf else format(v, spec)  # noqa: E731
     lines = [*head,
              f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
              f"parameters), batch {meta['batch_size']} x {meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}, "
