@@ -420,7 +420,7 @@ class AdaptivePlanner:
         if (self.mode != "auto" or self._stale or self.trying or self._awaiting or self.climbing
                 or self._plan_key not in self._periods):
             return None
-        return self._periods[self._plan_key] * max(steps_to_target(codec) for _, codec in self.plan.values())
+        return self._periods[self._plan_key] * self._steps([option for *_, option in self._plan_key])
 
     def pause(self) -> None:
         """The hook skipped steps (auto's route of local steps): the next step's time from the last is none of its own."""
@@ -517,8 +517,7 @@ class AdaptivePlanner:
             return min(untried, key=lambda c: c[0])[2]
         tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
         running = self._plan_key
-        return min(tied, key=lambda c: (max(steps_to_target(self.options[o]) for o in c[2]),
-                                        self._key(indices, c[2]) != running, c[0]))[2]
+        return min(tied, key=lambda c: (self._steps(c[2]), self._key(indices, c[2]) != running, c[0]))[2]
 
     def _candidates(self, indices, times, errors, safe) -> dict[tuple, tuple[float, bool, list[int]]]:
         """Every plan measured on this bucket layout whose options are still allowed, and one new plan per level
@@ -532,12 +531,9 @@ class AdaptivePlanner:
         def predicted(choice):
             return compute_s + sum(ts[c] for ts, c in zip(times, choice))
 
-        def level(choice):
-            return max(factors[c] for c in choice)
-
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
-        candidates = {key: (self._periods[key] * level(choice), True, choice) for key, choice in measured.items()}
+        candidates = {key: (self._periods[key] * self._steps(choice), True, choice) for key, choice in measured.items()}
         for top in sorted(set(factors)):
             allowed = [[ok and factors[o] <= top for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
@@ -547,10 +543,14 @@ class AdaptivePlanner:
             choice = _fit_knapsack(times, errors, allowed, (1 + AUTO_SLACK) * comm_s) or fastest
             key, price = self._key(indices, choice), predicted(choice)
             if key in candidates or any(predicted(other) < (1 + TIE) * price for other in measured.values()
-                                        if level(other) == level(choice)):
+                                        if self._steps(other) == self._steps(choice)):
                 continue
-            candidates[key] = (price * level(choice), False, choice)
+            candidates[key] = (price * self._steps(choice), False, choice)
         return candidates
+
+    def _steps(self, choice: list[int]) -> float:
+        """A plan's steps to the target as a multiple of fp32's: its slowest option's (steps_to_target)."""
+        return max(steps_to_target(self.options[option]) for option in choice)
 
     def _choice_of(self, key: tuple, indices) -> list[int] | None:
         """A plan key's option per bucket, if it is a plan of this bucket layout (else None)."""
@@ -639,7 +639,7 @@ class AdaptivePlanner:
 
         def priced(choice: list[int]) -> tuple[float, float]:
             step_s = compute_s + sum(self._option_cost(c, index, world_size)[0] for index, c in enumerate(choice))
-            return step_s, max(steps_to_target(self.options[c]) for c in choice)
+            return step_s, self._steps(choice)
 
         choice = [self.options.index(self.plan[index][1]) for index in range(len(numels))]
         step_s, steps = priced(choice)
