@@ -185,6 +185,16 @@ def validation_loss(model, batches) -> float:
     return (total[0] / total[1]).item()
 
 
+STDLIB = "the Python standard library's source"
+
+
+def load_corpus(args):
+    """The job's text: --corpus (a file or a folder of files), else STDLIB."""
+    from netgain import data
+
+    return data.ByteCorpus.from_files(data.text_files(args.corpus) if args.corpus else data.stdlib_source_files())
+
+
 def register(ddp, spec, optimizer):
     if spec is not None and spec[0] == "bf16-hook":
         return BF16Hook(ddp)
@@ -205,12 +215,12 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from netgain import data, models
+    from netgain import models
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
+    corpus = load_corpus(args)
     validation = corpus.validation_batches(args.eval_batches, args.eval_batch_size, args.seq_len)[rank::world]
 
     def validate(model) -> float:
@@ -340,9 +350,9 @@ def compute_step(args, workers: int, barrier=None, results=None) -> float:
     to `results`."""
     import torch
 
-    from netgain import data, models
+    from netgain import models
 
-    corpus = data.ByteCorpus.from_files(data.stdlib_source_files())
+    corpus = load_corpus(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_per_worker(workers))
     torch.manual_seed(0)
@@ -482,7 +492,7 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
             "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
             "--eval-batch-size", str(args.eval_batch_size), "--warmup", str(args.warmup), "--lr", str(args.lr),
             "--seed", str(args.seed), *(["--seed-per-round"] if args.seed_per_round else []), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-            "--hidden", str(args.hidden), "--layers", str(args.layers), "--bucket-mb", str(args.bucket_mb),
+            "--hidden", str(args.hidden), "--layers", str(args.layers), *(["--corpus", args.corpus] if args.corpus else []), "--bucket-mb", str(args.bucket_mb),
             *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else []),
             "--leave-above", str(args.leave_above), *(["--targets", *map(str, args.targets)] if args.targets else []),
             "--contestants", *contestants]
@@ -627,7 +637,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
     lines = [*head,
              f"Model: byte-level Llama, hidden {meta['hidden']}, {meta['layers']} layers ({rows[0]['numel'] / 1e6:.2f} M "
              f"parameters), batch {meta['batch_size']} x {meta['seq_len']} bytes per worker, AdamW lr {meta['lr']}, "
-             f"DDP buckets of {meta['bucket_mb']} MB; text: the Python standard library's source, every 10th file "
+             f"DDP buckets of {meta['bucket_mb']} MB; text: {meta.get('corpus') or STDLIB}, every 10th file "
              f"held out. Validation: {meta['eval_batches']} x {meta['eval_batch_size']} x {meta['seq_len']} held-out "
              f"bytes every {meta['eval_every']} steps. Target: fp32 DDP's validation loss at step {meta['target_step']} "
              + (f"(each round's own: round r trains from seed {meta['seed']} + r, batches and initial model)"
@@ -701,6 +711,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--corpus", help="the job's text: a file or a folder of files (default: the Python standard "
+                        "library's source; a second job: apt-get install python3.11-doc, then "
+                        "--corpus /usr/share/doc/python3.11/html/_sources)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument("--max-minutes", type=float,
                         help="per cell, from its first round: start no round that would end later than this "
@@ -767,7 +780,7 @@ def main(argv=None) -> int:
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "lr", "rounds", "target_step",
                                              "cap", "eval_every", "eval_batches", "eval_batch_size", "warmup",
                                              "bucket_mb", "max_minutes", "seed", "seed_per_round", "targets",
-                                             "leave_above")}}
+                                             "leave_above", "corpus")}}
     report(rows, summarise(rows, picks), picks, meta, args.out)
     return 0
 

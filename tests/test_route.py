@@ -33,15 +33,17 @@ def _routed(seed, price, predicted=0.0):
 
 
 def _steps(model, optimizer, route, rank, start, steps):
-    """Train; each step's (phase, whether the hook sent bytes, this rank's parameters)."""
+    """Train; each step's (phase, whether the hook ran (a local step skips DDP's reducer), this rank's parameters)."""
     out = []
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
         optimizer.zero_grad()
+        hooked = route.state.step
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-        out.append((route.phase, route.state.last_step["wire_bytes"] > 0,
+        assert (route.last_step.get("plan") == "local") == (route.state.step == hooked)
+        out.append((route.phase, route.state.step > hooked,
                     torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
     return out
 
@@ -81,7 +83,7 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert local["phases"][TRIAL:] == ["local"] * (len(local["phases"]) - TRIAL)
         applied = {s for s in range(ROUTE.period + 1, len(local["phases"])) if s % ROUTE.period == ROUTE.overlap_steps}
         assert {s for s, equal in enumerate(local["equal"]) if equal} == {0} | applied
-        assert local["sent"][0] and not any(local["sent"][1:])  # per-step bytes at step 0 only; averages aside
+        assert local["sent"][0] and not any(local["sent"][1:])  # the hook ran at step 0 only
         assert per_step["phases"][TRIAL:] == ["per-step-chosen"] * (len(per_step["phases"]) - TRIAL)
         assert all(per_step["equal"][TRIAL:]) and all(per_step["sent"][TRIAL + 1:])
         assert untried["phases"] == ["per-step-chosen"] * len(untried["phases"]) and all(untried["equal"])
@@ -135,3 +137,5 @@ def test_offer_explains_what_it_needs():
         offer(auto, model, optimizer, SyncConfig(period=16))
     with pytest.raises(ValueError, match="steps must be a number > 0"):
         offer(auto, model, optimizer, SyncConfig(period=16), steps=0)
+    with pytest.raises(TypeError, match="needs the DistributedDataParallel model"):
+        offer(auto, model, optimizer)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
@@ -392,8 +393,8 @@ class LocalRoute:
 
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
     it (`_predicted`), every rank takes ROUTE_TRIAL_SYNCS periods of local steps
-    (the DDP hook hands each rank its own gradient back, and a SyncOptimizer averages the parameters every
-    period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price, from the trial's last
+    (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient, and a SyncOptimizer
+    averages the parameters every period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
@@ -404,15 +405,18 @@ class LocalRoute:
     save rank 0's alone, in place of the comm state, model and optimizer.
     """
 
-    def __init__(self, state: CommState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, state: CommState, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                  config: SyncConfig, steps: float):
-        self.state, self.model, self.optimizer, self.config, self.steps = state, model, optimizer, config, steps
+        self.state, self.ddp, self.optimizer, self.config, self.steps = state, ddp_model, optimizer, config, steps
+        self.model = ddp_model.module
         self.phase, self.sync = "per-step", None
         self.price: float | None = None  # the per-step plan's price when the trial began
         self.route_price: float | None = None  # the route's, measured on trial (or the model's, where it ran none)
         self._times: list[float] = []    # the trial's steps: seconds less the wait for averages, this rank's
         self._waits: list[float] = []    # and the seconds each waited for averages
         self._last: float | None = None
+        self._hook_steps = state.step  # the hook's steps so far: a step in which they grew was a per-step plan's
+        self._hooked, self._trying, self._applied = True, False, []  # of the last step (last_step)
         self._warm()
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
@@ -428,6 +432,8 @@ class LocalRoute:
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
+        self._hooked, self._hook_steps = self.state.step != self._hook_steps, self.state.step
+        self._trying, self._applied = self.phase == "trial", []
         if self.sync is None:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
             if price is not None and not self._compiling():
@@ -439,6 +445,7 @@ class LocalRoute:
                     self.phase = "per-step-chosen"
             return
         self.sync.after_inner_step()
+        self._applied = self.sync.applied
         if self.phase != "trial":
             return
         if last is not None:  # (none in the first step after a resume)
@@ -478,7 +485,13 @@ class LocalRoute:
     def _enter(self, phase: str) -> None:
         """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group)
-        self.state.local, self.phase, self._times, self._waits = True, phase, [], []
+        self.phase, self._times, self._waits = phase, [], []
+        self._local(True)
+
+    def _local(self, local: bool) -> None:
+        """Local steps skip DDP's reducer, as its no_sync() does: no gradient is copied into a bucket and the hook
+        does not run (a pass-through hook cost a median 7% of a local step, 3 gloo ranks on 2 cores, 5 rounds)."""
+        self.ddp.require_backward_grad_sync = not local
 
     @torch.no_grad()
     def _leave(self) -> None:
@@ -486,25 +499,25 @@ class LocalRoute:
         inner optimizer's state (AdamW's moments), each rank's own after local steps, becomes its mean over the
         ranks, so the replicas' averaged gradients make the same updates from here on."""
         self.sync.close()
-        self.sync, self.state.local, self.phase = None, False, "per-step-chosen"
+        self.sync, self.phase = None, "per-step-chosen"
+        self._local(False)
         self.state.planner.pause()
         state = [v for entry in self.optimizer.state.values() for v in entry.values()
                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        if state:
-            flat = torch.cat([v.reshape(-1).to(torch.float64) for v in state])
+        if state:  # in fp32: in fp64 the step that left took 0.57-0.65 s on the lab at 1 Gbit/s, its neighbours 0.15
+            flat = torch.cat([v.reshape(-1).float() for v in state])
             dist.all_reduce(flat, group=self.state.process_group)
             flat /= dist.get_world_size(self.state.process_group)
             torch._foreach_copy_(state, [chunk.view_as(v) for chunk, v in zip(flat.split([v.numel() for v in state]), state)])
 
     @property
     def last_step(self) -> dict:
-        """The hook's statistics of the last step, with the route's ``phase``, the prices it compared (seconds
-        to the target per fp32 step: ``per_step_price``, ``route_price``) and, while local, the averages it
-        applied in that step: their bytes in ``wire_bytes``, and ``plan`` "local"."""
-        last, applied = self.state.last_step, self.sync.applied if self.sync is not None else []
-        local = {"plan": "local", "trying": self.phase == "trial"} if self.sync is not None else {}
-        return {**last, **local, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
-                "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in applied)}
+        """The last step's: the hook's statistics where it ran (a per-step plan's step), the route's ``phase``, the
+        prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``) and the
+        bytes of the averages it applied in ``wire_bytes``; a local step has ``plan`` "local"."""
+        last = self.state.last_step if self._hooked else {"plan": "local", "trying": self._trying}
+        return {**last, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
+                "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in self._applied)}
 
     def close(self) -> None:
         self._hook.remove()
@@ -526,9 +539,11 @@ class LocalRoute:
                 and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))):
             raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
         self.state.load_state_dict(saved["comm"])
+        self._hook_steps = self.state.step
         if self.sync is not None:
             self.sync.close()
-            self.sync, self.state.local = None, False
+            self.sync = None
+            self._local(False)
         if saved["sync"] is not None:
             self._enter(saved["phase"])
             self.sync.load_state_dict(saved["sync"])
@@ -536,7 +551,7 @@ class LocalRoute:
         self._times, self._waits = [float(t) for t in saved["times"]], [float(t) for t in saved.get("waits", [])]
 
 
-def offer(state: CommState, ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def offer(state: CommState, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
           config: SyncConfig = ROUTE, steps: float | None = None) -> LocalRoute:
     """Let auto (``state``: `netgain.comm.register(ddp_model, "auto")`'s) take the route of local steps where
     it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the training loop
@@ -554,8 +569,10 @@ def offer(state: CommState, ddp_model: torch.nn.Module, optimizer: torch.optim.O
     steps = ROUTE_STEPS if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not 0 < steps < float("inf"):
         raise ValueError(f"steps must be a number > 0, got {steps!r}")
-    model = getattr(ddp_model, "module", ddp_model)
-    return LocalRoute(state, model, optimizer, config, float(steps))
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"offer() needs the DistributedDataParallel model the hook is registered on, got "
+                        f"{type(ddp_model).__name__}")
+    return LocalRoute(state, ddp_model, optimizer, config, float(steps))
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig | None = None, *,

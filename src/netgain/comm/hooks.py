@@ -51,7 +51,6 @@ class CommState:
         self.history: list[dict] = []
         self.pipeline: Pipeline | None = None  # made at the first bucket
         self.link = None  # an emulate.EmulatedLink the hook's collectives are held to (netgain train --emulate-link)
-        self.local = False  # each rank keeps its own gradient: auto's route of local steps (netgain.sync.offer) runs
         self._names = dict(param_names or {})  # id(parameter) -> name; unnamed: order of first appearance
         self._layouts: dict[int, tuple[tuple, BucketLayout]] = {}
         self._config_checked = False
@@ -81,7 +80,7 @@ class CommState:
         buffer = bucket.buffer()
         self._submitted()
         result = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-        if self.local or dist.get_world_size(self.process_group) == 1:  # nothing to send: pass through
+        if dist.get_world_size(self.process_group) == 1:  # nothing to send: pass through
             self._pass_through(bucket, buffer)
             result.set_result(buffer)
             return result
