@@ -91,6 +91,7 @@ CONTESTANTS = {
     "post-local-h16": ("post-local", {"period": 16, "warmup_steps": 0}),
     "kimad": ("netgain", "kimad", {}),
     "auto": ("netgain", "auto", {}),
+    "auto-w2": ("netgain", "auto", {"warmup_steps": 2}),  # auto after 2 fp32 steps, the fixed low rank's warm-up
     # auto offered the route of local steps (netgain.sync.offer): DDP's hook and loop unchanged
     "auto-sync": ("route",),
 }

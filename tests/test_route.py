@@ -1,4 +1,5 @@
-"""netgain.sync.offer: auto's route of local steps beside its per-step plans, on 2 gloo ranks.
+"""netgain.sync.offer: auto's route of local steps beside its per-step plans, on 2 gloo ranks, and as
+`netgain train --local-route`.
 
 The per-step plan's measured price is set by hand (`settled_price`), so the route's choice is the test's:
 infinite, local steps win their trial; zero, the per-step plan wins it. Data are seeded by (rank, step) and
@@ -7,13 +8,19 @@ the codecs' noise is counter-based, so every number is the same in every run.
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.sync import ROUTE, ROUTE_TRIAL_SYNCS, SyncConfig, offer
+from netgain import cli
+from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer
+from netgain.train.cli import build_config, configure
+from netgain.train.report import summarize
 
 from distributed import run
 
@@ -139,3 +146,43 @@ def test_offer_explains_what_it_needs():
         offer(auto, model, optimizer, SyncConfig(period=16), steps=0)
     with pytest.raises(TypeError, match="needs the DistributedDataParallel model"):
         offer(auto, model, optimizer)
+
+
+def _config(*argv: str):
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return build_config(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv, named", [(["--codec", "gqsgd"], "--codec gqsgd"), (["--sync"], "--sync")])
+def test_local_route_is_a_route_of_auto_on_ddp(argv, named):
+    with pytest.raises(ValueError, match=f"--local-route is a route of --codec auto on DDP's hook, not of {named}"):
+        _config("--local-route", *argv)
+
+
+def test_netgain_train_offers_the_route_and_resumes_it(tmp_path):
+    """`netgain train --local-route`: the checkpoint's comm state is the route's and resumes; a resume without
+    the flag is refused by name."""
+    common = ["--task", "digits", "--local-route", "--eval-every", "0", "--world-size", "2"]
+    assert cli.main(["train", *common, "--steps", "4", "--checkpoint", str(tmp_path / "ck.pt"),
+                     "--out", str(tmp_path / "first")]) == 0
+    saved = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert saved["comm"]["format"] == ROUTE_FORMAT and saved["comm"]["phase"] == "per-step"
+    assert cli.main(["train", *common, "--steps", "6", "--resume", str(tmp_path / "ck.pt"),
+                     "--out", str(tmp_path / "second")]) == 0
+    record = json.loads((tmp_path / "second" / "record.json").read_text())
+    assert record["resumed"]["step"] == 4 and "local steps where auto's trial" in record["summary"]["route"]
+    with pytest.raises(ValueError, match="ck.pt was written with --local-route, this run is without it"):
+        _config("--task", "digits", "--resume", str(tmp_path / "ck.pt"))
+
+
+def test_the_summary_of_a_run_that_went_local_prices_fp32_on_the_last_timed_buckets():
+    """Local steps time no bucket (DDP's reducer is off): fp32's predicted step comes from the last step that
+    timed one, and their bytes count against what fp32 DDP sends each step."""
+    buckets = [{"numel": 1000, "codec": "fp16", "wire_bytes": 2000, "comm_s": 1e-3}]
+    history = {"step": [0, 1, 2, 3], "step_s": [0.1] * 4, "compiled": [False] * 4, "wait_s": [0.01, 0.01, 0.0, 0.03],
+               "wire_bytes": [2000, 2000, 0, 500], "raw_bytes": [4000] * 4, "buckets": [buckets, buckets, [], []],
+               "train_loss": [2.0] * 4}
+    config = _config("--task", "digits", "--steps", "4", "--local-route")
+    result = summarize(config, 2, history, [{"step": 4, "val_loss": 1.0}], torch.nn.Linear(2, 2))
+    assert result["wire_bytes_per_step"] == pytest.approx(2500 / 3) and result["predicted_fp32_step_s"] > 0

@@ -420,7 +420,8 @@ class LocalRoute:
         self._waits: list[float] = []    # and the seconds each waited for averages
         self._last: float | None = None
         self._hook_steps = state.step  # the hook's steps so far: a step in which they grew was a per-step plan's
-        self._hooked, self._trying, self._applied = True, False, []  # of the last step (last_step)
+        self._hooked, self._trying, self._applied, self._wait_s = True, False, [], 0.0  # of the last step (last_step)
+        self._fp32_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._warm()
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
@@ -437,7 +438,7 @@ class LocalRoute:
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
         self._hooked, self._hook_steps = self.state.step != self._hook_steps, self.state.step
-        self._trying, self._applied = self.phase == "trial", []
+        self._trying, self._applied, self._wait_s = self.phase == "trial", [], 0.0
         if self.sync is None:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
             if price is not None and not self._compiling():
@@ -449,7 +450,7 @@ class LocalRoute:
                     self.phase = "per-step-chosen"
             return
         self.sync.after_inner_step()
-        self._applied = self.sync.applied
+        self._applied, self._wait_s = self.sync.applied, self.sync.wait_s
         if self.phase != "trial":
             return
         if last is not None:  # (none in the first step after a resume)
@@ -489,6 +490,7 @@ class LocalRoute:
     def _enter(self, phase: str) -> None:
         """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group)
+        self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
         self.phase, self._times, self._waits = phase, [], []
         self._local(True)
 
@@ -516,10 +518,15 @@ class LocalRoute:
 
     @property
     def last_step(self) -> dict:
-        """The last step's: the hook's statistics where it ran (a per-step plan's step), the route's ``phase``, the
-        prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``) and the
-        bytes of the averages it applied in ``wire_bytes``; a local step has ``plan`` "local"."""
-        last = self.state.last_step if self._hooked else {"plan": "local", "trying": self._trying}
+        """The last step's statistics: the hook's where it ran (a per-step plan's step), else a local step's (``plan``
+        "local"; ``raw_bytes`` what fp32 DDP would have sent; ``wait_s`` the wait for averages; their codec and
+        link seconds); the bytes of the averages it applied added to ``wire_bytes``; the route's ``phase`` and the
+        prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``)."""
+        if self._hooked:
+            last = self.state.last_step
+        else:
+            last = {"plan": "local", "trying": self._trying, "wait_s": self._wait_s, "raw_bytes": self._fp32_bytes,
+                    **{key: sum(record[key] for record in self._applied) for key in ("encode_s", "decode_s", "comm_s")}}
         return {**last, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
                 "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in self._applied)}
 

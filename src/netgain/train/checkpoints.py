@@ -34,7 +34,9 @@ RESUME_FIXED = ("task", "seed", "codec", "bits", "encoding", "ratio", "warmup_st
                 *SYNC_FIELDS)
 # routes a checkpoint is written by, and why one does not resume on the other
 ROUTES = {"fsdp": "the model and optimizer are saved sharded under --fsdp and whole without",
-          "sync": "under --sync its comm state is netgain.sync's (outer state, every rank's parameters), else the hook's"}
+          "sync": "under --sync its comm state is netgain.sync's (outer state, every rank's parameters), else the hook's",
+          "local_route": "under --local-route its comm state is the route's (the hook's and, while local, every rank's "
+                         "parameters and optimizer state), else the hook's"}
 
 
 def check_checkpoint_paths(c: TrainConfig, checkpoint: dict | None) -> None:
@@ -80,7 +82,7 @@ def check_resume(c: TrainConfig, checkpoint: dict) -> None:
     for route, why in ROUTES.items():
         if saved.get(route, False) != getattr(c, route):
             raise ValueError(f"--resume {c.resume} was written " + ("with" if saved.get(route) else "without")
-                             + f" --{route}, this run is " + ("with" if getattr(c, route) else "without") + f" it: {why}")
+                             + f" {flag(route)}, this run is " + ("with" if getattr(c, route) else "without") + f" it: {why}")
     if checkpoint["world_size"] != c.world_size:
         raise ValueError(f"--resume {c.resume} was written by {checkpoint['world_size']} workers, "
                          f"this run has {c.world_size}: the codec state is per worker")

@@ -124,6 +124,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "collective of the gradient hook (netgain's codecs and ddp*) or of --sync completes no earlier than its "
                         "bytes sent per rank / RATE after it began, one collective after another; step times and "
                         "fp32's prediction are then on this link, and say so")
+    parser.add_argument("--local-route", action="store_true",
+                        help="with --codec auto (DDP): offer auto the route of local steps (netgain.sync.offer). Once its "
+                        "per-step plan is measured, and where the model prices local steps within 1.5x of it, the workers "
+                        "try 2 periods of 8 local steps averaged in 4 bits, and keep them where they reach the target sooner "
+                        "(docs/sync.md). Not with --sync or --fsdp")
     parser.add_argument("--sync", action="store_true",
                         help="train with netgain.sync instead of a per-step hook (no DDP): each worker takes --sync-period "
                         "steps alone, then the workers average their pseudo-gradients (global minus local parameters) "
@@ -202,7 +207,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                          checkpoint_every=args.checkpoint_every, resume=args.resume,
                          hidden_size=args.hidden_size, layers=args.layers, seq_len=args.seq_len,
                          collective_timeout=args.collective_timeout, emulate_link=args.emulate_link,
-                         compare=args.compare, sync=args.sync, **(sync_settings(args, checkpoint) if args.sync else {}))
+                         compare=args.compare, sync=args.sync, local_route=args.local_route,
+                         **(sync_settings(args, checkpoint) if args.sync else {}))
     for name in ("data", "out", "checkpoint", "resume", "emulate_link"):  # '' is a typo, never "not given"
         _require(getattr(args, name) != "", name, "must not be empty (leave the flag out instead)", "''")
     check_numbers(config)
@@ -217,6 +223,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         check_fsdp(config, checkpoint)
     if config.sync:
         check_sync(config)
+    if config.local_route and (config.codec != "auto" or config.fsdp or config.sync):
+        raise ValueError("--local-route is a route of --codec auto on DDP's hook, not of "
+                         + ("--sync" if config.sync else "--fsdp" if config.fsdp else f"--codec {config.codec}"))
     if config.checkpoint:
         check_checkpoint_paths(config, checkpoint)
     return config

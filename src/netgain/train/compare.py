@@ -24,7 +24,8 @@ def baseline_configs(config: TrainConfig) -> list[TrainConfig]:
     """The baselines' runs: the same job under --out/<codec>, per step (a --sync run's too), no checkpoints, no
     further comparison."""
     return [replace(config, codec=codec, out=str(Path(config.out) / codec), run_id="", checkpoint=None,
-                    checkpoint_every=0, compare=False, sync=False, **dict.fromkeys(SYNC_FIELDS))
+                    checkpoint_every=0, compare=False, sync=False, local_route=False,
+                    **dict.fromkeys(SYNC_FIELDS))
             for codec in BASELINES if codec != config.codec]
 
 

@@ -47,6 +47,7 @@ class TrainConfig:
     outer_momentum: float | None = None
     fragments: int | None = None
     overlap_steps: int | None = None
+    local_route: bool = False  # --local-route: auto may take the route of local steps (netgain.sync.offer)
 
     def sync_config(self):
         """netgain.sync's config of these settings: Nesterov whenever there is outer momentum, as DiLoCo."""
@@ -65,6 +66,8 @@ class TrainConfig:
                     f"{self.overlap_steps} step(s) overlapped")
         if self.fsdp:
             return "every step: FSDP2 in each replica, the codec across replicas"
+        if self.local_route:
+            return "every step: the codec on DDP's communication hook, or local steps where auto's trial finds them sooner"
         return "every step: the codec on DDP's communication hook"
 
 

@@ -161,6 +161,8 @@ class Trainer:
             self.stats, self.stepper = self.comm_state.comm, self.comm_state
         else:
             self.stats, self.stepper = self.comm_state, self.optimizer
+            if config.local_route:  # the route holds the hook's state, and its local steps' averages
+                self.comm_state = netgain.sync.offer(self.stats, self.model, self.optimizer)
         if config.emulate_link:  # netgain's pipeline hands it to its Communicator, made at the first bucket
             self.stats.link = EmulatedLink(config.emulate_link)
         self.start_step = self.load_checkpoint(config.resume) if config.resume else 0
@@ -216,7 +218,7 @@ class Trainer:
         """This step's communication: the hook's; under --sync that of the averages the step applied (on most
         steps none: a sync's bytes count at the step that applies it), summed, and the time it waited for them."""
         if not self.config.sync:
-            return self.stats.last_step
+            return self.comm_state.last_step
         applied = self.stepper.applied
         return {"wait_s": self.stepper.wait_s, **{key: sum(r[key] for r in applied) for key in SUMMED_STATISTICS}}
 

@@ -73,7 +73,8 @@ def summarize(config: TrainConfig, world_size: int, history: dict, validations: 
     emulated = emulated_link(config.emulate_link) if config.emulate_link else None
     if emulated and link:
         link = dataclasses.replace(emulated, overhead=link.overhead)
-    fp32_step_s = (net.predict([b["numel"] for b in history["buckets"][-1]], hop_size, link,
+    layout = next((buckets for buckets in reversed(history["buckets"]) if buckets), [])  # a local step times none
+    fp32_step_s = (net.predict([b["numel"] for b in layout], hop_size, link,
                                compute_s=step_s - wait_s).step_s if link else None)
     final = validations[-1]
     summary = {
