@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import LOWRANK_WARMUP, MAX_ERROR, OVERRUN_EXCEEDANCE, TRIAL_STEPS, AdaptivePlanner, option_error
+from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, TRIAL_STEPS, AdaptivePlanner, option_error
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
 from netgain.comm.calibrate import codec_profile
@@ -626,20 +626,6 @@ def test_auto_tries_the_plans_priced_near_the_best_and_keeps_the_fastest_measure
     assert run(0.19) == "lowrank(rank=4,factors=gqsgd,bits=8)" and not planner.trying
     bf16 = [o.describe() for o in planner.options].index("bf16")
     assert len(planner._periods) == 3 and all(key[0][2] != bf16 for key in planner._periods)
-
-
-def test_auto_admits_low_rank_from_its_warm_up_step_on():
-    """The plans for steps before LOWRANK_WARMUP leave low rank out (the best of the rest runs); the step that admits
-    it re-plans even where the plan is settled."""
-    planner = one_bucket_auto(1e6)  # a slow link: low rank wins once admitted
-    planner._warming_up = True
-    planner._solve(2)
-    assert not isinstance(planner.plan[0][1], LowRank)
-    planner.trying = False
-    assert not planner._settled(LOWRANK_WARMUP - 1) and planner._settled(LOWRANK_WARMUP)
-    planner._warming_up = False
-    planner._solve(2)
-    assert isinstance(planner.plan[0][1], LowRank)
 
 
 def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():

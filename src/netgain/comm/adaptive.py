@@ -82,13 +82,6 @@ AUTO_SLACK = 0.05  # auto: the least-error plan among those predicted at most 5%
 # (bench/results/time_to_accuracy_auto_1gbit_3w.md; PowerSGD r4 1.16x, fp16 0.98x), and 1.09-1.27x and
 # 1.21-1.52x on the earlier cells netgain.cost.advise cites
 LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
-# auto admits low rank from its LOWRANK_WARMUP-th step, as the fixed codec's default warm-up (LowRankConfig): the steps
-# before it run auto's other options. On a second lab job (6.9 M parameters, the Python docs, 1 Gbit/s, 3 workers),
-# low rank r4 from step 0 stayed above the target after 240 steps in 2 seeds of 2 (validation 3.13, 3.15), where 2
-# fp32 steps first reached it in 116.8-140.2 steps (7 runs, 3 seeds); auto, low rank from its step 1, missed it in
-# 5 of 8 runs (bench/results/time_to_accuracy_job2_warmup_1gbit_3w_6a7fc07.md); on the lm job at 100 Mbit/s,
-# 2 workers, 140.5 steps against 124.0 (time_to_accuracy_100mbit_2w_warmup_seeds.md)
-LOWRANK_WARMUP = 2
 # auto tries each plan the model prices within TRIAL_RANGE x the best price (measured or predicted) for TRIAL_STEPS
 # steps, the first TRIAL_SKIP left out (a codec's first calls, a flushed memory); the median step then prices it
 TRIAL_RANGE = 1.5
@@ -183,7 +176,6 @@ class AdaptivePlanner:
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
         self._stale = True
-        self._warming_up = False  # auto: the plan being made is for a step before LOWRANK_WARMUP (no low rank)
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
         self.climbing = False  # the plan is held below what the estimate asks for (GROWTH): re-plan each step
         self.last: dict = {}
@@ -257,7 +249,6 @@ class AdaptivePlanner:
             link.observer = observer
 
     def _end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
-        self._warming_up = self.mode == "auto" and step + 1 < LOWRANK_WARMUP
         # the step's other seconds (compute, the user's loop): from the previous step's end, less its communication
         now = time.perf_counter()
         last, self._last_end = self._last_end, now
@@ -304,9 +295,7 @@ class AdaptivePlanner:
         moved = self._link_moved()
         if moved and self._periods and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
-        admits = self.mode == "auto" and step + 1 == LOWRANK_WARMUP  # low rank joins the options
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed
-                                                                     or admits)
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -328,10 +317,10 @@ class AdaptivePlanner:
                 "climbing": self.climbing, "trying": self.trying}
 
     def _settled(self, step: int) -> bool:
-        """auto, its plan settled (planned, nothing tried, no errors due, not the step that admits low rank): the
-        ranks agree on the link and the steps' times once every AGREE_EVERY steps, from what each rank recorded since."""
+        """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
+        steps' times once every AGREE_EVERY steps, from what each rank recorded since."""
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
-                and step + 1 != LOWRANK_WARMUP and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
+                and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link, or
@@ -470,8 +459,7 @@ class AdaptivePlanner:
         times = [[seconds for seconds, _ in row] for row in costs]
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
-        safe = [[(own or r <= self.max_error) and not (self._warming_up and isinstance(option, LowRank))
-                 for own, r, option in zip(own_rule, self.relative[i], self.options)] for i in indices]
+        safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
         wanted, self.fits = self._choose(indices, times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
         choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
