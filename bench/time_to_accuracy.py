@@ -193,7 +193,7 @@ def load_corpus(args):
     """The job's text: --corpus (a file or a folder of files), else STDLIB."""
     from netgain import data
 
-    return data.ByteCorpus.from_files(data.text_files(args.corpus) if args.corpus else data.stdlib_source_files())
+    return data.ByteCorpus.from_files(data.text_files(args.corpus, "--corpus") if args.corpus else data.stdlib_source_files())
 
 
 def register(ddp, spec, optimizer):
@@ -742,6 +742,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every:
         parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step a multiple of --eval-every")
+    if args.corpus and not args.worker:  # in the parent, before any worker starts
+        from netgain import data
+
+        try:
+            data.text_files(args.corpus, "--corpus")
+        except ValueError as error:
+            parser.error(str(error))
     if args.worker:
         worker(args)
         return 0

@@ -8,7 +8,6 @@ the codecs' noise is counter-based, so every number is the same in every run.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -19,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import netgain.comm as comm
 from netgain import cli
 from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer
-from netgain.train.cli import build_config, configure
+from netgain.train.cli import build_config
 from netgain.train.report import summarize
 
 from distributed import run
@@ -149,9 +148,7 @@ def test_offer_explains_what_it_needs():
 
 
 def _config(*argv: str):
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    return build_config(parser.parse_args(argv))
+    return build_config(cli.build_parser("train").parse_args(["train", *argv]))
 
 
 @pytest.mark.parametrize("argv, named", [(["--codec", "gqsgd"], "--codec gqsgd"), (["--sync"], "--sync")])

@@ -32,8 +32,8 @@ def stdlib_source_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
-def text_files(path: str | Path) -> list[Path]:
-    """A text file, or every regular file under a folder in sorted order."""
+def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
+    """A text file, or every regular file under a folder in sorted order; a ValueError names ``flag``."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -41,8 +41,8 @@ def text_files(path: str | Path) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file())
         if files:
             return files
-        raise ValueError(f"--data: folder {path} holds no files")
-    raise ValueError(f"--data: {path} is neither a file nor a folder")
+        raise ValueError(f"{flag}: folder {path} holds no files")
+    raise ValueError(f"{flag}: {path} is neither a file nor a folder")
 
 
 @dataclass

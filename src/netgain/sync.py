@@ -419,9 +419,8 @@ class LocalRoute:
         self._times: list[float] = []    # the trial's steps: seconds less the wait for averages, this rank's
         self._waits: list[float] = []    # and the seconds each waited for averages
         self._last: float | None = None
-        self._hook_steps = state.step  # the hook's steps so far: a step in which they grew was a per-step plan's
         self._hooked, self._trying, self._applied, self._wait_s = True, False, [], 0.0  # of the last step (last_step)
-        self._fp32_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self._raw_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._warm()
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
@@ -437,8 +436,8 @@ class LocalRoute:
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
-        self._hooked, self._hook_steps = self.state.step != self._hook_steps, self.state.step
-        self._trying, self._applied, self._wait_s = self.phase == "trial", [], 0.0
+        # the step just taken: the hook ran unless it was local (DDP's reducer is off exactly while sync is set)
+        self._hooked, self._trying, self._applied, self._wait_s = self.sync is None, self.phase == "trial", [], 0.0
         if self.sync is None:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
             if price is not None and not self._compiling():
@@ -519,13 +518,13 @@ class LocalRoute:
     @property
     def last_step(self) -> dict:
         """The last step's statistics: the hook's where it ran (a per-step plan's step), else a local step's (``plan``
-        "local"; ``raw_bytes`` what fp32 DDP would have sent; ``wait_s`` the wait for averages; their codec and
+        "local"; ``raw_bytes`` what DDP would have sent uncompressed; ``wait_s`` the wait for averages; their codec and
         link seconds); the bytes of the averages it applied added to ``wire_bytes``; the route's ``phase`` and the
         prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``)."""
         if self._hooked:
             last = self.state.last_step
         else:
-            last = {"plan": "local", "trying": self._trying, "wait_s": self._wait_s, "raw_bytes": self._fp32_bytes,
+            last = {"plan": "local", "trying": self._trying, "wait_s": self._wait_s, "raw_bytes": self._raw_bytes,
                     **{key: sum(record[key] for record in self._applied) for key in ("encode_s", "decode_s", "comm_s")}}
         return {**last, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
                 "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in self._applied)}
@@ -550,7 +549,6 @@ class LocalRoute:
                 and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))):
             raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
         self.state.load_state_dict(saved["comm"])
-        self._hook_steps = self.state.step
         if self.sync is not None:
             self.sync.close()
             self.sync = None
