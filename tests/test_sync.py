@@ -234,6 +234,33 @@ def test_a_resume_from_rank_zeros_checkpoint_is_bit_for_bit(world_size, tmp_path
         assert value == {"pending_saved": 1, "params_equal": True, "state_equal": True, "ranks_differ": True}, value
 
 
+def started(rank, world_size):
+    """wrap() on replicas alike, then on replicas whose first fragment differs: the broadcasts it sent, and whether
+    every rank then holds rank 0's parameters."""
+    sent, real = [], dist.broadcast
+    dist.broadcast = lambda tensor, *args, **kwargs: sent.append(tensor.numel()) or real(tensor, *args, **kwargs)
+    try:
+        starts = {}
+        for case, seed in (("alike", 0), ("weight differs", rank)):
+            torch.manual_seed(seed)
+            model = torch.nn.Linear(3, 2)
+            torch.nn.init.ones_(model.bias)  # the second fragment: alike on every rank
+            wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), SyncConfig(fragments=2)).close()
+            torch.manual_seed(0)
+            first = torch.nn.Linear(3, 2)
+            starts[case] = (list(sent), torch.equal(model.weight, first.weight))
+            sent.clear()
+    finally:
+        dist.broadcast = real
+    return starts
+
+
+def test_every_rank_starts_from_rank_zeros_parameters_sending_only_fragments_that_differ():
+    for status, value in run(started, 2):
+        assert status == "ok", value
+        assert value == {"alike": ([], True), "weight differs": ([6], True)}, value
+
+
 def load_errors(rank, world_size):
     """A checkpoint of another config, world size or model, or not a checkpoint: ValueError, nothing loaded."""
     model, outer = _wrapped(0)
