@@ -290,3 +290,27 @@ def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
         seen.append(torch.compiler.is_compiling())
     assert len(seen) > 0 and not any(seen)
     assert torch.compiler.is_compiling() is False
+
+
+def test_a_module_called_beside_a_background_compile_runs_as_itself(monkeypatch):
+    """inductor's first lowering in a process traces a dummy graph with torch.fx.symbolic_trace, which patches
+    torch.nn.Module.__call__ for every thread while it runs: a module called meanwhile on another thread raised
+    NameError. The dummy is built on the caller's thread before the compile thread starts."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
+    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
+    monkeypatch.setattr(kernel, "_compile_thread", None)
+    InterpreterShim._dummy_gm.cache_clear()
+
+    @kernel.kernel
+    def shifted(x, by: float):
+        return (x + by).abs().max()
+
+    shifted(torch.randn(4099), 0.25)
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 1
+    layer = torch.nn.Linear(3, 3)
+    while kernel.compiling():
+        layer(torch.ones(3))

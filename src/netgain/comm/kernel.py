@@ -149,6 +149,7 @@ def _compile_in_background(variant: _Variant, args, kwargs) -> None:
     _compiles.put((variant, copies, kwargs, torch.get_num_threads()))
     with _compile_lock:
         if _compile_thread is None:  # a daemon: a run that ends never waits for a compile it no longer needs
+            _trace_shared_graphs()
             _compile_thread = threading.Thread(target=_compile_loop, name="netgain-compile", daemon=True)
             _compile_thread.start()
 
@@ -165,6 +166,19 @@ def _compile_loop() -> None:
     while True:
         variant, args, kwargs, threads = _compiles.get()
         variant.build(args, kwargs, threads)
+
+
+def _trace_shared_graphs() -> None:
+    """Build here, on the caller's thread, the graph inductor traces once per process at its first lowering
+    (InterpreterShim's dummy, cached): torch.fx.symbolic_trace patches torch.nn.Module.__call__ for every thread
+    while it runs, so a module called on another thread meanwhile raised NameError ("module is not installed as
+    a submodule"): on a fresh machine's cold cache, 2 of 4 HSDP ranks failed so in their first forward."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()
+    except (ImportError, AttributeError):  # another torch: nothing of this name to build ahead
+        pass
 
 
 def _keep_sessions_to_this_thread() -> None:
