@@ -67,6 +67,7 @@ __all__ = ["CODECS", "LocalRoute", "NonFiniteGradientError", "PlanMismatchError"
            "wrap"]
 
 FORMAT = "netgain.sync/1"
+APPLIED_STATISTICS = ("wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # summed in last_step
 CODECS = tuple(name for name, config in CODEC_CONFIGS.items() if config in CONFIGS)
 
 
@@ -279,6 +280,12 @@ class SyncOptimizer:
             self._launch(fragment)
         self._apply_due(self.inner_steps)
 
+    @property
+    def last_step(self) -> dict:
+        """The last step's communication: ``wait_s``, and summed over the averages it applied (on most steps none:
+        an average's bytes count at the step that applies it) their ``wire_bytes``, ``raw_bytes`` and seconds."""
+        return {"wait_s": self.wait_s, **{key: sum(record[key] for record in self.applied) for key in APPLIED_STATISTICS}}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -445,7 +452,8 @@ class LocalRoute:
         self._times: list[float] = []    # the trial's steps: seconds less the wait for averages, this rank's
         self._waits: list[float] = []    # and the seconds each waited for averages
         self._last: float | None = None
-        self._hooked, self._trying, self._applied, self._wait_s = True, False, [], 0.0  # of the last step (last_step)
+        self._trying = False  # of the last step (last_step); and its SyncOptimizer.last_step if it was local, else None
+        self._local_step: dict | None = None
         self._raw_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._warm()
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -463,7 +471,7 @@ class LocalRoute:
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
         # the step just taken: the hook ran unless it was local (DDP's reducer is off exactly while sync is set)
-        self._hooked, self._trying, self._applied, self._wait_s = self.sync is None, self.phase == "trial", [], 0.0
+        self._trying, self._local_step = self.phase == "trial", None
         if self.sync is None:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
             if price is not None and not self._compiling():
@@ -475,7 +483,7 @@ class LocalRoute:
                     self.phase = "per-step-chosen"
             return
         self.sync.after_inner_step()
-        self._applied, self._wait_s = self.sync.applied, self.sync.wait_s
+        self._local_step = self.sync.last_step
         if self.phase != "trial":
             return
         if last is not None:  # (none in the first step after a resume)
@@ -546,13 +554,9 @@ class LocalRoute:
         "local"; ``raw_bytes`` what DDP would have sent uncompressed; ``wait_s`` the wait for averages; their codec and
         link seconds); the bytes of the averages it applied added to ``wire_bytes``; the route's ``phase`` and the
         prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``)."""
-        if self._hooked:
-            last = self.state.last_step
-        else:
-            last = {"plan": "local", "trying": self._trying, "wait_s": self._wait_s, "raw_bytes": self._raw_bytes,
-                    **{key: sum(record[key] for record in self._applied) for key in ("encode_s", "decode_s", "comm_s")}}
-        return {**last, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price,
-                "wire_bytes": last.get("wire_bytes", 0) + sum(record["wire_bytes"] for record in self._applied)}
+        last = (self.state.last_step if self._local_step is None else
+                {**self._local_step, "plan": "local", "trying": self._trying, "raw_bytes": self._raw_bytes})
+        return {**last, "phase": self.phase, "per_step_price": self.price, "route_price": self.route_price}
 
     def close(self) -> None:
         self._hook.remove()

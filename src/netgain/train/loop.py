@@ -32,7 +32,6 @@ from netgain.train.report import report
 from netgain.train.tasks import TASK_CLASSES
 
 COMM_STATISTICS = ("wait_s", "wire_bytes", "raw_bytes", "encode_s", "decode_s", "comm_s")  # per step
-SUMMED_STATISTICS = COMM_STATISTICS[1:]  # --sync: over the averages the step applied
 BUCKET_STATISTICS = ("numel", "codec", "wire_bytes", "comm_s")  # per step and bucket: what the link fit reads
 ADAPTIVE_STATISTICS = ("bandwidth_Bps", "budget_s", "margin", "predicted_comm_s", "link_comm_s", "plan", "plan_fits",
                        "climbing")  # per step, kimad only
@@ -215,12 +214,8 @@ class Trainer:
             report(c, self.world_size, history, validations, self.device, self.module, resumed)
 
     def step_statistics(self) -> dict:
-        """This step's communication: the hook's; under --sync that of the averages the step applied (on most
-        steps none: a sync's bytes count at the step that applies it), summed, and the time it waited for them."""
-        if not self.config.sync:
-            return self.comm_state.last_step
-        applied = self.stepper.applied
-        return {"wait_s": self.stepper.wait_s, **{key: sum(r[key] for r in applied) for key in SUMMED_STATISTICS}}
+        """This step's communication: the hook's, the route's, or under --sync that of the averages the step applied."""
+        return self.comm_state.last_step
 
     def evaluate(self) -> dict:
         self.progress.beat("validating")
