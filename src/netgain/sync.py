@@ -215,7 +215,7 @@ class SyncOptimizer:
     (or `wait()`): ``applied``, the pipeline's records of the averages it applied (most steps: none;
     an average loaded from a checkpoint has none; the step is the schedule's, so every run has them
     on the same steps), and ``wait_s``, the seconds it waited for them: the communication the inner
-    steps did not hide.
+    steps did not hide; ``last_step`` sums them up as the hook's statistics do.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig,
