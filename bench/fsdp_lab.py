@@ -369,10 +369,10 @@ def main(argv=None) -> int:
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.budget = args.target_step if args.budget is None else args.budget
-    if (args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every
+    if (args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.warmup < 1 or args.target_step % args.eval_every
             or args.budget % args.eval_every or not 0 < args.budget <= args.cap * args.target_step
             or args.eval_batches % (NODES * PER_NODE)):
-        parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step and --budget multiples of "
+        parser.error("--rounds, --cap, --eval-every and --warmup must be >= 1, --target-step and --budget multiples of "
                      "--eval-every, --budget at most CAP x T, --eval-batches a multiple of 4")
     if args.worker:
         worker(args)

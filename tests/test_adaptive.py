@@ -11,7 +11,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
-from netgain.comm.adaptive import MAX_ERROR, OVERRUN_EXCEEDANCE, TRIAL_STEPS, AdaptivePlanner, option_error
+from netgain.comm.adaptive import (MAX_ERROR, OVERRUN_EXCEEDANCE, RISE_VOLUME, TRIAL_RANGE, TRIAL_SKIP, TRIAL_STEPS, AdaptivePlanner,
+                                   option_error)
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
 from netgain.comm.calibrate import codec_profile
@@ -187,6 +188,20 @@ def test_a_rise_read_from_small_messages_does_not_count_where_volume_is_required
     assert monitor.volume == 1.6e6 and BandwidthMonitor(window_steps=1).update(25e6, 0.001, 0.0, 80e3) == 25e6
     with pytest.raises(ValueError, match="rise_volume must be in"):
         BandwidthMonitor(rise_volume=2.0)
+
+
+def test_before_any_rate_is_measured_auto_plans_with_the_fastest_rate_a_collective_achieved():
+    """auto's monitor (rise_volume): messages whose times read no slope leave the rate unmeasured; until one is
+    measured, the rate planned with is the fastest any sample achieved (a lower bound), not infinite, which
+    made auto's first plan fp32 on a 50 Mbit/s link. Without rise_volume (kimad) it stays unmeasured."""
+    skew = [0.0003, 0.0013, 0.0013, 0.0003, 0.0003, 0.0013, 0.0013, 0.0003]
+    sizes = [1_000, 4_000, 1_000, 4_000, 2_000, 3_000, 2_000, 3_000]
+    for rise_volume, expected in ((RISE_VOLUME, 4_000 / 0.0003), (None, float("inf"))):
+        monitor = BandwidthMonitor(clock=Clock(), rise_volume=rise_volume)
+        for size, seconds in zip(sizes, skew):
+            monitor.observe("allreduce", size / WIRE_FACTOR["allreduce"](2), seconds, 2)
+        monitor.update(*monitor.add_step(monitor.take_step()))
+        assert monitor.bandwidth == pytest.approx(expected)
 
 
 def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
@@ -704,6 +719,39 @@ def test_a_trial_beside_a_compile_is_priced_by_its_clear_steps_and_ends_at_twice
     planner._plan_steps, planner._beside_compiles = 0, []
     results = [planner._price_plan(0.5 if k % 2 else 0.1, compiling=bool(k % 2)) for k in range(2 * TRIAL_STEPS)]
     assert planner._periods[("plan",)] == 0.1  # the clear steps only
+
+
+@pytest.mark.parametrize("step_s, ends_after", [(TRIAL_RANGE * 0.1 * 1.2, TRIAL_SKIP + 1),
+                                                 (TRIAL_RANGE * 0.1 * 0.8, TRIAL_STEPS)])
+def test_a_trial_priced_beyond_the_range_of_the_best_candidate_ends_at_its_first_clear_step(step_s, ends_after):
+    """A plan tried on a first guess (fp32 before the link was measured) that its first clear step prices beyond
+    TRIAL_RANGE x the best candidate's price ends there; one within the range runs its TRIAL_STEPS."""
+    planner = comm.AutoConfig().build()
+    planner.trying, planner._plan_key, planner._best_price = True, ((0, 100, 0),), 0.1  # option 0: none, fp32's steps
+    results = [planner._price_plan(step_s) for _ in range(TRIAL_STEPS)]
+    assert results.index(True) == ends_after - 1 and planner._periods[planner._plan_key] == step_s
+
+
+def test_prices_stand_for_the_first_finite_rate_and_an_infinite_one_is_no_rate():
+    """Prices measured while the link's estimate was infinite (no slope yet) stand for the first finite rate."""
+    planner = comm.AutoConfig().build()
+    planner._plan_key = ((0, 100, 0),)
+    planner.monitor.agreed.append(float("inf"))
+    for _ in range(TRIAL_SKIP + 1):
+        planner._price_plan(0.5)
+    assert planner._priced_rate is None and planner._periods
+    planner.monitor.agreed.clear()
+    planner.monitor.agreed.append(6e6)
+    planner._price_plan(0.5)
+    assert planner._priced_rate == 6e6
+
+
+def test_the_codec_of_the_unplanned_steps_is_warm_where_it_ran():
+    """auto's first steps send gqsgd 8-bit on every bucket, compiling its kernels there: its trial needs no warm-up."""
+    planner = comm.AutoConfig().build()
+    unplanned = planner.options.index(planner.codec_for(3, 1000))
+    assert isinstance(planner.options[unplanned], GlobalQSGD)
+    assert not planner._cold(3, unplanned) and planner._cold(4, unplanned)
 
 
 AUTO_SCRIPT = ["bf16", "lowrank(rank=4,factors=fp32)", "lowrank(rank=4,factors=gqsgd,bits=8)",

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -167,6 +168,7 @@ class AdaptivePlanner:
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
         self.trying = False                               # auto: the plan running now is tried for its price
+        self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
         self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
         self._warmed: set[tuple[int, int]] = set()        # auto: (bucket, option) that ran: its kernels compiled or compiling
@@ -186,6 +188,8 @@ class AdaptivePlanner:
         planned = self.plan.get(index)
         if planned is None or planned[0] != numel:
             self._stale = True  # a new bucket layout (DDP rebuilds after step 1): measure and re-plan
+            if not self.unplanned.uses_feedback:  # it runs, and compiles, on this bucket: auto's trial of it needs no warm-up
+                self._warmed.add((index, self.options.index(self.unplanned)))
             return self.unplanned
         return planned[1]
 
@@ -293,8 +297,9 @@ class AdaptivePlanner:
         if measured:
             self._agree_errors(link)
         moved = self._link_moved()
-        if moved and self._periods and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
+        if moved and self._priced_rate and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
+            self._priced_rate = None
         replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
         if replanned:
             fitted_before = self.fits
@@ -363,7 +368,7 @@ class AdaptivePlanner:
         """What every rank agreed on (identical everywhere), as plain lists and numbers: the link estimate, the
         compute time, the recent overruns behind the margin, and the plan running, so a resume continues it."""
         return {"bandwidth": self.monitor.bandwidth, "agreed": list(self.monitor.agreed),
-                "sustained": self.monitor.sustained, "volume": self.monitor.volume,
+                "sustained": self.monitor.sustained, "volume": self.monitor.volume, "floor": self.monitor.floor,
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
@@ -376,12 +381,14 @@ class AdaptivePlanner:
                 "shapes": [[index, [list(s) for s in shapes]] for index, shapes in sorted(self._shapes.items()) if shapes],
                 "stale": self._stale, "trying": self.trying, "climbing": self.climbing, "fits": self.fits,
                 "predicted": self._predicted, "planned_link": list(self._planned_link) if self._planned_link else None,
-                "steps": self._plan_steps, "running": list(self._running), "beside_compiles": list(self._beside_compiles)}
+                "steps": self._plan_steps, "running": list(self._running), "beside_compiles": list(self._beside_compiles),
+                "best_price": self._best_price}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.agreed.clear()
         self.monitor.agreed.extend(state.get("agreed", [state["bandwidth"]] if state["bandwidth"] else []))
         self.monitor.sustained, self.monitor.volume = state.get("sustained"), state.get("volume", 0.0)
+        self.monitor.floor = state.get("floor")
         self.monitor.latency, self.monitor.overhead_s = state["latency"], state["overhead_s"]
         self._backward_s = state["backward_s"]
         self._compute.clear()
@@ -413,6 +420,7 @@ class AdaptivePlanner:
         self._running.clear()
         self._running.extend(saved["running"])
         self._beside_compiles = list(saved["beside_compiles"])
+        self._best_price = saved.get("best_price")
 
     def settled_price(self) -> float | None:
         """auto: the running plan's measured seconds to the target per fp32 step (its step x its steps to the
@@ -433,6 +441,13 @@ class AdaptivePlanner:
         """auto's price of a step beside its communication: the median over recent steps of the slowest rank's
         seconds from one step's end to the next less the step's link and codec time (0 before a second step)."""
         return statistics.median(self._compute) if self._compute else 0.0
+
+    def overrun(self) -> float:
+        """auto: how far recent steps' communication overran the model's prediction, the median (1 before a
+        step): it scales the communication of the plans not yet measured. A shaper's burst read 2.5 Gbit/s on
+        the lab at 50 Mbit/s under HSDP, the first plan sent fp32 and fp16 at 0.66 s a step against low rank's
+        0.3 s, and until the rate fell, the model priced every smaller plan no cheaper."""
+        return statistics.median(self._overruns) if self._overruns else 1.0
 
     def margin(self) -> float:
         """How far measured steps overrun the plan's prediction, at least 1: the plan aims at budget /
@@ -504,6 +519,7 @@ class AdaptivePlanner:
         warm = [[ok and not self._cold(i, o) for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         ready = self._candidates(indices, times, errors, warm)  # never empty: none is safe and never cold
         best = min(ready.values(), key=lambda c: c[0])
+        self._best_price = best[0]
         # a compile holds the GIL and the cores for seconds (on the lab at 1 Gbit/s, 3 workers on 2 cores: 16
         # steps at 0.2-0.4 s against 0.14 s), so a cold candidate is warmed only where the model prices it
         # WARM_GAIN below the best that would not compile, with the step's other time measured
@@ -512,7 +528,8 @@ class AdaptivePlanner:
         self.warm = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
         self._awaiting = bool(self.warm)
         untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
-        self.trying = len(ready) > 1 and bool(untried)
+        # a lone candidate is tried too before the step's other time is measured: its price is then a guess
+        self.trying = (len(ready) > 1 or not self._compute) and bool(untried)
         if self.trying:
             return min(untried, key=lambda c: c[0])[2]
         tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
@@ -525,11 +542,11 @@ class AdaptivePlanner:
         prices it TIE below every measured plan of its level: on the lab at 1 Gbit/s, where all prices lay within
         10%, each re-plan's new mix of options (and each level's new candidate after the first) ran a trial of
         8 steps, 8-10 switches in a 120-step run."""
-        compute_s = self.compute_s()
+        compute_s, overrun = self.compute_s(), self.overrun()
         factors = [steps_to_target(option) for option in self.options]
 
         def predicted(choice):
-            return compute_s + sum(ts[c] for ts, c in zip(times, choice))
+            return compute_s + overrun * sum(ts[c] for ts, c in zip(times, choice))
 
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
@@ -574,16 +591,25 @@ class AdaptivePlanner:
         """auto: one more agreed step time of the plan running now; its measured price is the median of its
         recent steps after its first TRIAL_SKIP, leaving out steps that ran beside a compile (their codecs
         eager, their cores shared) while there are others. True when a tried plan has just been priced:
-        after TRIAL_STEPS steps clear of compiles, or 2 x TRIAL_STEPS in all (a trial must end)."""
+        after TRIAL_STEPS steps clear of compiles, once its clear steps price it beyond TRIAL_RANGE x the best
+        candidate's price when it was chosen (it would not have been tried), or 2 x TRIAL_STEPS in all (a trial must
+        end). Its prices stand for the first finite rate measured while they run (REPRICE): an infinite estimate
+        is no rate."""
         self._plan_steps += 1
         if self._plan_steps <= TRIAL_SKIP:
             return False
-        if not self._periods:
-            self._priced_rate = self.monitor.bandwidth
+        if self._priced_rate is None and (self.monitor.bandwidth or math.inf) < math.inf:
+            self._priced_rate = self.monitor.bandwidth  # the rate the prices stand for: the first measured while they run
         (self._beside_compiles if compiling else self._running).append(period_s)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
         clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
-        return self.trying and (clear or self._plan_steps >= 2 * TRIAL_STEPS)
+        # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
+        # tried, let alone kept (on the lab at 50 Mbit/s under HSDP, a first plan made before the link was measured
+        # tried fp32 for 8 steps at 1.55 s against the 0.7 s of gqsgd 8-bit's)
+        outpriced = bool(self._running) and self._best_price is not None and (
+            self._periods[self._plan_key] * self._steps([option for *_, option in self._plan_key])
+            > TRIAL_RANGE * self._best_price)
+        return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
