@@ -761,6 +761,28 @@ def test_prices_stand_for_the_first_finite_rate_and_an_infinite_one_is_no_rate()
     assert planner._priced_rate == 6e6
 
 
+class OneRankLink:
+    """A link of one rank: every collective returns its input."""
+    rank, world_size, observer = 0, 1, None
+
+    def allreduce(self, tensor, op=None):
+        return tensor
+
+
+def test_collectives_beside_a_compile_are_no_samples_of_the_link(monkeypatch):
+    """A step that ran beside a kernel compile (its cores and GIL shared) measures no link: the rate comes from
+    the steps clear of compiles."""
+    from netgain.comm import kernel
+    planner, link = comm.AutoConfig().build(), OneRankLink()
+    planner.monitor.clock = Clock()
+    for step, compiling in enumerate([False, True, False]):  # the first step's samples are skipped (skip_steps)
+        monkeypatch.setattr(kernel, "compiling", lambda compiling=compiling: compiling)
+        planner.monitor.observe("allreduce", 16, 0.5 if compiling else 0.0005, 2)
+        planner.monitor.observe("allreduce", 1_000_000, 5.0 if compiling else 0.0805, 2)
+        planner.end_step(link, step, 0.1, 0.0)
+        assert planner.monitor.bandwidth is None if step < 2 else planner.monitor.bandwidth == pytest.approx(12.5e6, rel=0.01)
+
+
 def test_the_codec_of_the_unplanned_steps_is_warm_where_it_ran():
     """auto's first steps send gqsgd 8-bit on every bucket, compiling its kernels there: its trial needs no warm-up."""
     planner = comm.AutoConfig().build()

@@ -287,8 +287,11 @@ class AdaptivePlanner:
         codec_s = sum(row[1] for row in agreed_rows) / len(agreed_rows)
         warmed = self._awaiting and not agreed_rows[-1][4]  # the warm-ups' compiles are done on every rank: try now
         self._awaiting &= not warmed
-        # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the step)
-        agreed = self.monitor.agree(link, samples) if most == -fewest else []
+        # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the
+        # step), and none from steps that ran beside a compile, whose cores and GIL it shared: on the lab at 1 Gbit/s a
+        # first step beside one read a slow link, and auto ran low rank with 8-bit factors for 130 steps
+        beside_compile = any(row[4] for row in agreed_rows)
+        agreed = self.monitor.agree(link, samples) if most == -fewest and not beside_compile else []
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
@@ -530,8 +533,10 @@ class AdaptivePlanner:
         self.warm = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
         self._awaiting = bool(self.warm)
         untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
-        # a lone candidate is tried too before the step's other time is measured: its price is then a guess
-        self.trying = (len(ready) > 1 or not self._compute) and bool(untried)
+        # a lone candidate not yet measured is tried too: a trial priced out ends early, and the re-plan then scales
+        # the model by the overrun (under HSDP on the lab at 100 Mbit/s, a lone first plan of fp32 and fp16 ran 8
+        # steps at 0.49 s against the 0.31 s of the plan that followed)
+        self.trying = bool(untried)
         if self.trying:
             return min(untried, key=lambda c: c[0])[2]
         tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
