@@ -314,3 +314,18 @@ def test_a_module_called_beside_a_background_compile_runs_as_itself(monkeypatch)
     layer = torch.nn.Linear(3, 3)
     while kernel.compiling():
         layer(torch.ones(3))
+
+
+def test_a_compiled_kernel_called_while_another_thread_fx_traces_runs_eagerly(monkeypatch):
+    """The compile thread's AOT and inductor traces raise FX's process-wide tracing flag, and dynamo then refuses
+    compiled calls on every other thread: a kernel runs eagerly meanwhile, with the same bits."""
+    monkeypatch.setenv("NETGAIN_COMPILE", "1")
+
+    @kernel.kernel
+    def shifted(x, by: float):
+        return (x + by).abs().max()
+
+    x = torch.randn(4099)
+    expected = shifted(x, 0.25)  # compiled now
+    monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)
+    assert torch.equal(shifted(x, 0.25), expected)

@@ -252,12 +252,24 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
                 _compile_in_background(graph, args, kwargs)
         elif mode == "now":
             graph.ready.wait()  # begun in the background: this caller wants the compiled path
-        if graph.ready.is_set() and not graph.failed:
-            return graph.compiled(*args, **kwargs)
+        if graph.ready.is_set() and not graph.failed and not _fx_tracing():
+            try:
+                return graph.compiled(*args, **kwargs)
+            except RuntimeError:
+                if not _fx_tracing():
+                    raise
         return fn(*args, **kwargs)
 
     run.eager = fn
     return run
+
+
+def _fx_tracing() -> bool:
+    """Whether some thread is FX-tracing now (a process-wide flag): the compile thread's AOT and inductor traces set
+    it, and dynamo then refuses any compiled call on another thread ("Detected that you are using FX to symbolically
+    trace a dynamo-optimized function": 3 ranks of the lab at 1 Gbit/s died so in their first backward). Kernels run
+    eagerly meanwhile, with the same bits; a call that began compiled and was refused as the flag rose runs again."""
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
 class _Eager:
