@@ -584,21 +584,6 @@ def test_auto_takes_the_fastest_option_and_spends_no_time_on_accuracy_beyond_its
         AdaptivePlanner("auto", time_budget_s=1.0)
 
 
-def test_the_plain_options_have_a_candidate_of_their_own_beside_a_measured_gqsgd():
-    """At 1 Gbit/s the model prices gqsgd 4-bit cheapest; measured, it runs 0.12 s a step. A plain plan (a cast:
-    no header, one collective) still runs a trial, since the model misprices the two families differently;
-    once it is measured dearer, no other plain plan is tried unless priced TIE below it."""
-    planner = one_bucket_auto(125e6, {"bf16": 1e-9, "gqsgd": 1e-9, "lowrank": 1e-7}, compute_s=0.1)
-    names = [option.describe() for option in planner.options]
-    planner._periods[planner._key([0], [names.index("gqsgd(bits=4,encoding=packed)")])] = 0.12
-    planner._solve(2)
-    tried = planner.plan[0][1].describe()
-    assert planner.trying and tried in ("bf16", "fp16")
-    planner._periods[planner._key([0], [names.index(tried)])] = 0.14
-    planner._solve(2)
-    assert not planner.trying and planner.plan[0][1].describe() == "gqsgd(bits=4,encoding=packed)"
-
-
 def test_auto_sends_gqsgd_until_a_layout_has_its_plan_and_admits_one_error_feedback_memory():
     """No fp32 warm-up on a slow link: a bucket without a plan (the first steps, DDP's rebuild) goes as the
     widest gqsgd, unbiased, which keeps the first, largest gradients that low rank's random warm start would

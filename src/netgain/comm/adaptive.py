@@ -545,16 +545,12 @@ class AdaptivePlanner:
 
     def _candidates(self, indices, times, errors, safe) -> dict[tuple, tuple[float, bool, list[int]]]:
         """Every plan measured on this bucket layout whose options are still allowed, and one new plan per level
-        of steps to the target and per family (any option; plain ones only: none, bf16, fp16): plan key ->
-        (price, measured, choice). A new plan joins only where the model prices it TIE below every measured plan
-        of its level and family: on the lab at 1 Gbit/s, where all prices lay within 10%, each re-plan's new mix
-        of options (and each level's new candidate after the first) ran a trial of 8 steps, 8-10 switches in a
-        120-step run. The plain family has a candidate of its own because the model misprices the families
-        differently: on the lab at 1 Gbit/s it priced gqsgd 8-bit below fp16, whose hook then ran 0.123 s a
-        step against auto's gqsgd 0.134 s, and fp16 was never tried."""
+        of steps to the target: plan key -> (price, measured, choice). A new plan joins only where the model
+        prices it TIE below every measured plan of its level: on the lab at 1 Gbit/s, where all prices lay within
+        10%, each re-plan's new mix of options (and each level's new candidate after the first) ran a trial of
+        8 steps, 8-10 switches in a 120-step run."""
         compute_s, overrun = self.compute_s(), self.overrun()
         factors = [steps_to_target(option) for option in self.options]
-        plain = [not (option.needs_header or option.relays) for option in self.options]
 
         def predicted(choice):
             return compute_s + overrun * sum(ts[c] for ts, c in zip(times, choice))
@@ -562,18 +558,16 @@ class AdaptivePlanner:
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
         candidates = {key: (self._periods[key] * self._steps(choice), True, choice) for key, choice in measured.items()}
-        for top, plain_only in ((top, plain_only) for top in sorted(set(factors)) for plain_only in (False, True)):
-            allowed = [[ok and factors[o] <= top and (plain[o] or not plain_only) for o, ok in enumerate(row)]
-                       for row in safe]
+        for top in sorted(set(factors)):
+            allowed = [[ok and factors[o] <= top for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
                 continue
             fastest = _fastest(times, allowed, uniform=False)
             comm_s = sum(ts[c] for ts, c in zip(times, fastest))
             choice = _fit_knapsack(times, errors, allowed, (1 + AUTO_SLACK) * comm_s) or fastest
             key, price = self._key(indices, choice), predicted(choice)
-            rivals = [other for other in measured.values() if self._steps(other) == self._steps(choice)
-                      and (not plain_only or all(plain[o] for o in other))]
-            if key in candidates or any(predicted(other) < (1 + TIE) * price for other in rivals):
+            if key in candidates or any(predicted(other) < (1 + TIE) * price for other in measured.values()
+                                        if self._steps(other) == self._steps(choice)):
                 continue
             candidates[key] = (price * self._steps(choice), False, choice)
         return candidates
