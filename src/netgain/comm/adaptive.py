@@ -433,6 +433,10 @@ class AdaptivePlanner:
         if (self.mode != "auto" or self._stale or self.trying or self._awaiting or self.climbing
                 or self._plan_key not in self._periods):
             return None
+        return self._running_price()
+
+    def _running_price(self) -> float:
+        """The running plan's measured step x its steps to the target (as a multiple of fp32's)."""
         return self._periods[self._plan_key] * self._steps([option for *_, option in self._plan_key])
 
     def pause(self) -> None:
@@ -613,9 +617,8 @@ class AdaptivePlanner:
         # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
         # tried, let alone kept (on the lab at 50 Mbit/s under HSDP, a first plan made before the link was measured
         # tried fp32 for 8 steps at 1.55 s against the 0.7 s of gqsgd 8-bit's)
-        outpriced = bool(self._running) and self._best_price is not None and (
-            self._periods[self._plan_key] * self._steps([option for *_, option in self._plan_key])
-            > TRIAL_RANGE * self._best_price)
+        outpriced = (bool(self._running) and self._best_price is not None
+                     and self._running_price() > TRIAL_RANGE * self._best_price)
         return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:

@@ -154,7 +154,8 @@ class BandwidthMonitor:
             self._local_fit = fit([s for samples in self._window for s in samples][-self.max_samples:], self.spread)
             predicted = sum(self._local_fit[0] + x * self._local_fit[1] for x, _ in step)
             self._extra = (self._extra + [link_time(step) - predicted])[-self.overhead_steps:]
-            self.floor = max((x / s for samples in self._window for x, s in samples if s > 0), default=None)
+            if self.rise_volume is not None:  # only auto's monitor plans with it
+                self.floor = max((x / s for samples in self._window for x, s in samples if s > 0), default=None)
         if self._local_fit is None:
             return 0.0, 0.0, 0.0, 0.0
         alpha, slope = self._local_fit
