@@ -112,11 +112,6 @@ MAX_ERROR = 0.01
 # 1 Gbit/s, 3 workers, a fixed fp16 step took 0.131 s against bf16's 0.137 s (PyTorch's fp16 hook 0.128 s; 3 rounds
 # interleaved, begun at a load average of 2: an indication)
 FP16_PEAK = 64.0
-# auto: its first plan applies from this step on; the steps before send the unplanned codec (gqsgd 8-bit, unbiased).
-# Low rank that starts after one such step stalled on its plateau: on the lab's second job (Llama of 6.9 M parameters)
-# at 50 Mbit/s, auto missed the target in 3 of 3 seeds (validation 2.89-3.39 at step 240), fixed low rank after
-# PowerSGD's 2 uncompressed steps reached it in 3 of 3, and at 1 Gbit/s low rank without them in 0 of 2
-UNPLANNED_STEPS = 2
 TOPK_RATIOS = (0.001, 0.01, 0.1)
 LOWRANK_FACTOR_BITS = 8
 GROWTH = 2.0  # a re-plan may at most double a bucket's bytes (or take the next larger option): see _reachable
@@ -310,8 +305,7 @@ class AdaptivePlanner:
         if moved and self._priced_rate and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
             self._priced_rate = None
-        replanned = (bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
-                     and (self.mode != "auto" or step + 1 >= UNPLANNED_STEPS))
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
