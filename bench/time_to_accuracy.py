@@ -738,7 +738,8 @@ def main(argv=None) -> int:
                         "of this job at the same workers and seeds: ddp then races last, and may leave the race")
     parser.add_argument("--leave-above", type=float, default=2.0,
                         help="a contestant whose steady step (median of its steps 1-10) is over this x the cell's best "
-                        "so far leaves the race, reported by that step (fp32 DDP at 10 Mbit/s would take hours)")
+                        "so far leaves the race, reported by that step (fp32 DDP at 10 Mbit/s would take hours); a "
+                        "per-step contestant leaves as soon as over half of those steps are over it")
     parser.add_argument("--quiet-wait", type=float, default=900,
                         help="seconds to wait for a load average below 1.0 before each cell (0: do not wait)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "time_to_accuracy")
