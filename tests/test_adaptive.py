@@ -507,11 +507,11 @@ def test_forced_mismatch_raises_on_every_rank():
 
 def scripted_lowrank_run(rank, world_size, later):
     """kimad+ with low rank as an option, its plan scripted: step 0 none (DDP's rebuild), step 1 low rank
-    (rank 2 of a 60 x 50 matrix), step 2 ``later``. Returns the three steps' averaged gradients (the
+    (rank 2 of a 60 x 50 matrix, fp32 factors: its residual is all it leaves out), step 2 ``later``. Returns the three steps' averaged gradients (the
     model's output is its weight, transposed: the gradient is true_gradient)."""
     model = DDP(torch.nn.Linear(50, 60, bias=False), bucket_cap_mb=25)
     state = comm.register(model, "kimad+", min_compress_numel=0, lowrank_rank=2, bits=(8,), topk_ratios=())
-    script = {0: NoCompression(), 1: LowRank(2, "gqsgd", 8), 2: later}
+    script = {0: NoCompression(), 1: LowRank(2, "fp32"), 2: later}
     out = []
     for step in range(3):
         state.chooser.codec_for = lambda index, numel, step=step: script[step]

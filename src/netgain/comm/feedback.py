@@ -36,8 +36,9 @@ class EF21:
 
 
 class LowRankMemory:
-    """A rank's residual e_i (what the low-rank mean missed, per gradient element) and the warm-start
-    Q of every compressed matrix (identical on every rank), flat over one bucket layout."""
+    """A rank's residual e_i (what its own projection onto the step's basis missed, per gradient element; their
+    mean is what the low-rank mean missed) and the warm-start Q of every compressed matrix (identical on every
+    rank), flat over one bucket layout."""
 
     def __init__(self, numel: int, warm_numel: int, device):
         self.local = torch.zeros(numel, device=device)

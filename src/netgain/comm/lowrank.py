@@ -4,7 +4,13 @@ Each matrix-shaped gradient M (rows x cols, error feedback added) is approximate
 rank r. One power iteration per step, warm-started from last step's Q:
     P = mean_i(M_i Q)        (round 1: allreduce)      P <- orthonormal columns of P
     Q = mean_i(M_i^T P)      (round 2: allreduce)      result P Q^T, identical on every rank
-and each rank keeps e_i = M_i - P Q^T for its next step. Both rounds are sums, so Global-QSGD can
+and each rank keeps e_i = M_i - P Q_i^T for its next step, Q_i = M_i^T P its own part of round 2: the residual of
+its own projection. Its mean over the ranks is PowerSGD's M - P Q^T, but unlike PowerSGD's e_i it holds no
+rank-specific part in P's span. That part (P (Q_i - Q)^T) cancels in every mean, yet it adds up step after step
+(P barely moves between steps), and with Global-QSGD factors it sets the global scale of Q's code: on the second
+lab job (3 simulated ranks, r = 4, 8-bit, 4 seeds) the relative error of Q's mean grew to 13-33% by step 30-39
+and the loss at step 160 lagged fp32 factors' by 0.09-0.17; with own residuals that error stayed at 3-4%, the lag
+0.03-0.06 (bench/results/lowrank_own_residual.md). Both rounds are sums, so Global-QSGD can
 quantize the factors against one global scale per factor column (P's ride in the hook's header, Q's
 in one small MAX allreduce) and a native integer allreduce adds them up: low rank and 8 bits
 together, 3.5x fewer bytes than PowerSGD's fp32 factors at 2 workers (3x at 3-4). Vectors and
@@ -173,7 +179,8 @@ class LowRank(Codec):
                     basis = torch.linalg.qr(p[g.p_index].view(g.count, self.rank, g.rows).transpose(1, 2)).Q
                     q[g.q_index] = _times_t(g.view(carry["m"]).transpose(1, 2), basis.transpose(1, 2)).reshape(-1)
                     orthonormal.append(basis)
-            carry.update(q=q, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
+            own = ctx.buffer("lowrank own Q", q.numel(), torch.float32, q.device).copy_(q)  # encode may overwrite q
+            carry.update(q=q, own=own, basis=orthonormal, q_ctx=self._factor_context(ctx, t, "q"))
             if self.factor_codec.needs_scales:
                 return t["q_segments"].absmax(q), dist.ReduceOp.MAX
         else:  # Q's global scales are in
@@ -181,7 +188,8 @@ class LowRank(Codec):
         return self.factor_codec.encode(carry["q"], carry["q_ctx"]), dist.ReduceOp.SUM
 
     def decode(self, aggregated, out, ctx):
-        """Q's mean is in: write P Q^T into the bucket, keep e = M - P Q^T and Q as the next warm start."""
+        """Q's mean is in: write P Q^T into the bucket, keep e_i = M_i - P Q_i^T (this rank's own Q_i) and Q as the
+        next warm start."""
         t, carry, memory = ctx.tables[self.describe()], ctx.carry, ctx.feedback
         if not t["groups"]:  # no matrix: round 1 carried every parameter, in the bucket's order
             return out.copy_(self.factor_codec.decode(aggregated, carry["p"], carry["p_ctx"]))
@@ -190,9 +198,10 @@ class LowRank(Codec):
             dense = carry["p"][t["dense_to"]]  # P's buffer holds the dense parameters' mean
             for g, basis in zip(t["groups"], carry["basis"]):
                 q_t = q[g.q_index].view(g.count, self.rank, g.cols)
-                # e = M - P Q^T first (M may be the bucket itself), then P Q^T straight into the bucket:
+                own_t = carry["own"][g.q_index].view(g.count, self.rank, g.cols)
+                # e_i = M_i - P Q_i^T first (M may be the bucket itself), then P Q^T straight into the bucket:
                 # no approximation buffer to write, read back and copy (1.2 + 1.0 against 1.0 + 0.5 + 0.5 ms/M)
-                torch.baddbmm(g.view(carry["m"]), basis, q_t, alpha=-1, out=g.view(memory.local))
+                torch.baddbmm(g.view(carry["m"]), basis, own_t, alpha=-1, out=g.view(memory.local))
                 if out.dtype == torch.float32:
                     torch.bmm(basis, q_t, out=g.view(out))
                 else:  # a 16-bit bucket: bmm writes fp32 only
