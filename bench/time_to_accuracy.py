@@ -13,7 +13,8 @@ Time to target = the sum of the step times (validations excluded) up to where th
 crosses the target, interpolated linearly between the last validation above it and the first at or
 below it (validations: every `--eval-every` steps, on a fixed set of held-out windows, the same for
 every contestant), so that a contestant a hair above the target at a validation is not charged
-`--eval-every` whole steps.
+`--eval-every` whole steps. After each per-step run the ranks compare a checksum of their parameters: the
+report names any run whose replicas differed (data parallel training must keep them equal).
 
 As in bench/hook_lab.py, the workers start once per (rate, world size) cell and train every
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
@@ -294,6 +295,15 @@ def worker(args) -> None:
         # each step's time is the slowest rank's: ranks that step alone between averages (sync, post-local, a route's
         # local steps) drift apart within a step, the barrier before the next waits for the slowest, and the wall
         # clock with it; rank 0's own time hid that (per-step routes wait inside their collective anyway)
+        # a per-step route's replicas must end where the others do: a codec that let one rank's parameters drift
+        # would train a different model per rank; checked once, untimed, on a checksum of the parameters (routes
+        # of local steps, and auto's that may take one, differ between their averages by design: not checked)
+        per_step = not local and (spec is None or spec[0] not in ("sync", "route"))
+        flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+        mine = torch.stack([flat.sum(), flat.square().sum()])
+        lowest, highest = mine.clone(), mine.clone()
+        dist.all_reduce(lowest, dist.ReduceOp.MIN)
+        dist.all_reduce(highest, dist.ReduceOp.MAX)
         slowest = torch.tensor(step_times, dtype=torch.float64)
         dist.all_reduce(slowest, dist.ReduceOp.MAX)
         step_times = slowest.tolist()
@@ -307,6 +317,7 @@ def worker(args) -> None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire), "route": route,
                 "step_times": step_times, "grad_norms": norms, "plans": plans, "step_wire_bytes": wire, "steady_step_s": steady, "left_race": left,
+                "replicas_agree": bool(torch.equal(lowest, highest)) if per_step else None,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
@@ -690,7 +701,12 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                          + " | ".join(format_ratio(s, k) for k in peers)
                          + f" | {fmt(s['steps_to_target'], '.1f')} | {fmt(s.get('steady_step_s'), '.3f')} | "
                          f"{s['samples_s']:.2f} | {s['wire_MB']:.3f} | {s['final_loss']:.4f} |")
+    drifted = [f"{r['label']} (round {r['round']}, {r['rate']}, {r['workers']} workers)" for r in rows
+               if r.get("replicas_agree") is False]
     lines += ["", "## Verdicts", ""] + [f"- {line}" for line in verdicts(summary, picks)]
+    if any(r.get("replicas_agree") is not None for r in rows):  # (results from before the check have none)
+        lines += [f"- **Replicas differed at the end** (parameter checksums across ranks): {', '.join(drifted)}." if drifted
+                  else "- Replicas agreed at the end of every per-step run (parameter checksums across ranks)."]
     lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -373,6 +373,38 @@ def test_typed_configs_name_the_argument_and_the_allowed_values(build, match):
         build()
 
 
+class FakeBucket:
+    """What the hook reads of a DDP bucket: its flat buffer and its parameters' gradient views in it, in order."""
+
+    def __init__(self, buffer, params):
+        self._buffer, self._params = buffer, params
+        self._grads = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in params]), params)]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+
+def test_a_rebuilt_bucket_at_the_old_address_gets_a_layout_of_its_own():
+    """DDP's rebuild after the first step reorders a bucket's parameters, and its new buffer may land at the old
+    one's address (the allocator's choice, rank by rank): that bucket's layout is built anew, not reused."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))
+    state = comm.CommState("gqsgd", param_names={id(a): "a", id(b): "b"})
+    buffer = torch.zeros(7)
+    first, rebuilt = state._layout(FakeBucket(buffer, [a, b])), state._layout(FakeBucket(buffer, [b, a]))
+    assert first.names == ["a", "b"] and first.spans == [(0, 3), (3, 4)]
+    assert rebuilt.names == ["b", "a"] and rebuilt.spans == [(0, 4), (4, 3)]
+    assert state._layout(FakeBucket(buffer, [b, a])) is rebuilt  # unchanged: reused
+
+
 def test_low_rank_starts_after_powersgds_two_uncompressed_steps_unless_told():
     assert comm.CommConfig(comm.LowRankConfig()).warmup_steps == comm.comm_config("lowrank").warmup_steps == 2
     assert comm.comm_config("lowrank", warmup_steps=0).warmup_steps == 0

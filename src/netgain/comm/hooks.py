@@ -223,9 +223,11 @@ class CommState:
 
     # ---- bucket layouts --------------------------------------------------------------------
     def _layout(self, bucket: dist.GradBucket) -> BucketLayout:
-        """Built once per DDP bucket layout (a new one after DDP rebuilds its buckets)."""
+        """Built once per DDP bucket layout (a new one after DDP rebuilds its buckets). Keyed by the buffer and its
+        parameters in order: DDP's rebuild reorders them, and the allocator may hand the new buffer the old one's
+        address on some ranks only; a layout reused there maps each parameter to another's span on those ranks."""
         buffer = bucket.buffer()
-        key = (buffer.data_ptr(), buffer.numel(), buffer.dtype)
+        key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, tuple(map(id, bucket.parameters())))
         cached = self._layouts.get(bucket.index())
         if cached is None or cached[0] != key:
             cached = self._layouts[bucket.index()] = (key, BucketLayout.of(bucket, self.name_of, self.config.skip_1d))
