@@ -187,6 +187,20 @@ def validation_loss(model, batches) -> float:
     return (total[0] / total[1]).item()
 
 
+def replicas_agree(model) -> bool:
+    """Whether every rank holds the same parameters (a checksum: their sum and sum of squares, in fp64): a per-step
+    route must keep its replicas equal, or it trains a different model per rank. A collective, untimed."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        mine = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]).sum(0)
+    lowest, highest = mine.clone(), mine.clone()
+    dist.all_reduce(lowest, dist.ReduceOp.MIN)
+    dist.all_reduce(highest, dist.ReduceOp.MAX)
+    return bool(torch.equal(lowest, highest))
+
+
 STDLIB = "the Python standard library's source"
 
 
@@ -292,18 +306,11 @@ def worker(args) -> None:
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
+        # routes of local steps, and auto's that may take one, differ between their averages by design: not checked
+        agree = replicas_agree(model) if not local and (spec is None or spec[0] not in ("sync", "route")) else None
         # each step's time is the slowest rank's: ranks that step alone between averages (sync, post-local, a route's
         # local steps) drift apart within a step, the barrier before the next waits for the slowest, and the wall
         # clock with it; rank 0's own time hid that (per-step routes wait inside their collective anyway)
-        # a per-step route's replicas must end where the others do: a codec that let one rank's parameters drift
-        # would train a different model per rank; checked once, untimed, on a checksum of the parameters (routes
-        # of local steps, and auto's that may take one, differ between their averages by design: not checked)
-        per_step = not local and (spec is None or spec[0] not in ("sync", "route"))
-        flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-        mine = torch.stack([flat.sum(), flat.square().sum()])
-        lowest, highest = mine.clone(), mine.clone()
-        dist.all_reduce(lowest, dist.ReduceOp.MIN)
-        dist.all_reduce(highest, dist.ReduceOp.MAX)
         slowest = torch.tensor(step_times, dtype=torch.float64)
         dist.all_reduce(slowest, dist.ReduceOp.MAX)
         step_times = slowest.tolist()
@@ -317,7 +324,7 @@ def worker(args) -> None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire), "route": route,
                 "step_times": step_times, "grad_norms": norms, "plans": plans, "step_wire_bytes": wire, "steady_step_s": steady, "left_race": left,
-                "replicas_agree": bool(torch.equal(lowest, highest)) if per_step else None,
+                "replicas_agree": agree,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
