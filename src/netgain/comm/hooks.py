@@ -225,7 +225,8 @@ class CommState:
     def _layout(self, bucket: dist.GradBucket) -> BucketLayout:
         """Built once per DDP bucket layout (a new one after DDP rebuilds its buckets). Keyed by the buffer and its
         parameters in order: DDP's rebuild reorders them, and the allocator may hand the new buffer the old one's
-        address on some ranks only; a layout reused there maps each parameter to another's span on those ranks.
+        address on some ranks only; a layout reused there maps each parameter to another's span on those ranks (seen:
+        `auto`'s replicas diverged from step 1 on, bench/results/layout_key_divergence.md).
         The key's parameter list costs 10-12 us a bucket of 200 parameters per step (3 timings of 2,000 calls, CPU)."""
         buffer = bucket.buffer()
         key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, tuple(map(id, bucket.parameters())))
