@@ -13,7 +13,7 @@ Time to target = the sum of the step times (validations excluded) up to where th
 crosses the target, interpolated linearly between the last validation above it and the first at or
 below it (validations: every `--eval-every` steps, on a fixed set of held-out windows, the same for
 every contestant), so that a contestant a hair above the target at a validation is not charged
-`--eval-every` whole steps. After each per-step run the ranks compare a checksum of their parameters: the
+`--eval-every` whole steps. After each per-step run the ranks compare a fingerprint of their parameters' bits: the
 report names any run whose replicas differed (data parallel training must keep them equal).
 
 As in bench/hook_lab.py, the workers start once per (rate, world size) cell and train every
@@ -188,17 +188,14 @@ def validation_loss(model, batches) -> float:
 
 
 def replicas_agree(model) -> bool:
-    """Whether every rank holds the same parameters (a checksum: their sum and sum of squares, in fp64): a per-step
-    route must keep its replicas equal, or it trains a different model per rank. A collective, untimed."""
+    """Whether every rank holds the same parameters, bit for bit (netgain.sync.alike: a fingerprint of each one's bits,
+    one small allreduce): a per-step route must keep its replicas equal, or it trains a different model per rank.
+    A collective, untimed."""
     import torch
-    import torch.distributed as dist
+    from netgain.sync import alike
 
     with torch.no_grad():
-        mine = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]).sum(0)
-    lowest, highest = mine.clone(), mine.clone()
-    dist.all_reduce(lowest, dist.ReduceOp.MIN)
-    dist.all_reduce(highest, dist.ReduceOp.MAX)
-    return bool(torch.equal(lowest, highest))
+        return all(alike([p.detach().reshape(-1) for p in model.parameters()], None))
 
 
 STDLIB = "the Python standard library's source"
@@ -712,8 +709,8 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                if r.get("replicas_agree") is False]
     lines += ["", "## Verdicts", ""] + [f"- {line}" for line in verdicts(summary, picks)]
     if any(r.get("replicas_agree") is not None for r in rows):  # (results from before the check have none)
-        lines += [f"- **Replicas differed at the end** (parameter checksums across ranks): {', '.join(drifted)}." if drifted
-                  else "- Replicas agreed at the end of every per-step run (parameter checksums across ranks)."]
+        lines += [f"- **Replicas differed at the end** (parameter fingerprints across ranks): {', '.join(drifted)}." if drifted
+                  else "- Replicas agreed at the end of every per-step run (parameter fingerprints across ranks)."]
     lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

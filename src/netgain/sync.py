@@ -173,7 +173,7 @@ class _Fragment:
                    _views(global_, params), _views(delta, params))
 
 
-def _alike(flats: list[torch.Tensor], group) -> list[bool]:
+def alike(flats: list[torch.Tensor], group) -> list[bool]:
     """Whether each flat fp32 tensor holds the same bits on every rank: a fingerprint of its bits (a weighted sum
     of them as integers, wrapping) per tensor, and one small MAX allreduce of the fingerprints and their negations."""
     prints = torch.stack([_fingerprint(flat) for flat in flats])
@@ -248,9 +248,9 @@ class SyncOptimizer:
         # replicas, models seeded alike) are not sent: on the lab at 50 Mbit/s the route's broadcast on entering
         # took 2.4 s of the lm job's 1.7 M parameters
         source = dist.get_global_rank(self.process_group, 0)
-        alike = _alike([fragment.global_ for fragment in self.fragments], self.process_group)
+        same_bits = alike([fragment.global_ for fragment in self.fragments], self.process_group)
         with torch.no_grad():
-            for fragment, same in zip(self.fragments, alike):
+            for fragment, same in zip(self.fragments, same_bits):
                 if not same:
                     dist.broadcast(fragment.global_, src=source, group=self.process_group)
                     torch._foreach_copy_(fragment.params, fragment.global_views)
