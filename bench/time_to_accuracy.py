@@ -325,7 +325,7 @@ def worker(args) -> None:
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
-    for label in args.contestants:  # compile, first allocations: untimed, discarded
+    for label in args.contestants if args.warmup else ():  # compile, first allocations: untimed, discarded
         train(label, args.warmup, args.seed)
     rows, target, first_round = [], None, time.perf_counter()
     for round_ in range(args.rounds):

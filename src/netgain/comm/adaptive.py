@@ -92,6 +92,10 @@ TRIAL_STEPS = 8
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
+# auto waits at most this many seconds of steps for a warm-up's compiles; then it forgoes those options for the run. A CPU
+# compile runs at nice 19 on what the steps leave idle (kernel.py): on the lab at 1 Gbit/s, 3 workers on 2 cores, one had
+# not finished after 60 steps (30 s) that a lone process finished in 5 s, and meanwhile the plan could not settle
+AWAIT_S = 20.0
 # auto: prices within 5% are a tie, which goes to the plan taking fewer steps to the target (fp32's steps are
 # certain, low rank's LOWRANK_STEPS an estimate): on the lab at 1 Gbit/s a running bf16 plan's measured price moved
 # 0.138-0.157 s over 40 steps, and in 2 of 3 rounds auto kept low rank and took 129-132 steps to the fp16 hook's 117-118
@@ -175,6 +179,9 @@ class AdaptivePlanner:
         self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
         self._warmed: set[tuple[int, int]] = set()        # auto: (bucket, option) that ran: its kernels compiled or compiling
         self._awaiting = False                            # auto: a trial waits for the kernels its warm-up began compiling
+        self._awaited = 0.0                               # auto: agreed step seconds waited so far
+        self._warming: set[tuple[int, int]] = set()       # auto: (bucket, option) whose warm-up is waited for
+        self._forgone: set[tuple[int, int]] = set()       # auto: (bucket, option) whose compiles outlasted AWAIT_S
         self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
@@ -190,9 +197,7 @@ class AdaptivePlanner:
         planned = self.plan.get(index)
         if planned is None or planned[0] != numel:
             self._stale = True  # a new bucket layout (DDP rebuilds after step 1): measure and re-plan
-            if not self.unplanned.uses_feedback:  # it runs, and compiles, on this bucket: auto's trial of it needs no warm-up
-                self._warmed.add((index, self.options.index(self.unplanned)))
-            return self.unplanned
+            return self.unplanned  # a step or two: too few calls for its kernels to compile (kernel.HOT_CALLS)
         return planned[1]
 
     def describe(self) -> str:
@@ -286,7 +291,11 @@ class AdaptivePlanner:
             self._backward_s = backward_s if self._backward_s is None else 0.7 * self._backward_s + 0.3 * backward_s
         codec_s = sum(row[1] for row in agreed_rows) / len(agreed_rows)
         warmed = self._awaiting and not agreed_rows[-1][4]  # the warm-ups' compiles are done on every rank: try now
-        self._awaiting &= not warmed
+        self._awaited = self._awaited + sum(max(0.0, row[2]) for row in agreed_rows) if self._awaiting else 0.0
+        starved = self._awaiting and not warmed and self._awaited > AWAIT_S  # the compiles get no cores: go on without
+        if starved:
+            self._forgone |= self._warming
+        self._awaiting &= not (warmed or starved)
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the
         # step), and none from steps that ran beside a compile, whose cores and GIL it shared: on the lab at 1 Gbit/s a
         # first step beside one read a slow link, and auto ran low rank with 8-bit factors for 130 steps
@@ -305,7 +314,8 @@ class AdaptivePlanner:
         if moved and self._priced_rate and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
             self._periods.clear()  # measured on another link
             self._priced_rate = None
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed)
+        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed
+                                                                     or starved)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -523,8 +533,9 @@ class AdaptivePlanner:
         tie, won by the plan taking the fewest steps, then by the plan running (a measured price moves with the
         steps' noise: no switch for it). A candidate whose stateless options have
         not run on a bucket yet (cold: their kernels would compile) competes only if priced WARM_GAIN below the
-        best of the others: it is warmed first (`prepare`), and tried once their compiles are done; meanwhile the
-        others run."""
+        best of the others: it is warmed first (`prepare`), and tried once their compiles are done (forgone for the
+        run if they take over AWAIT_S); meanwhile the others run."""
+        safe = [[ok and (i, o) not in self._forgone for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         warm = [[ok and not self._cold(i, o) for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         ready = self._candidates(indices, times, errors, warm)  # never empty: none is safe and never cold
         best = min(ready.values(), key=lambda c: c[0])
@@ -534,7 +545,7 @@ class AdaptivePlanner:
         # WARM_GAIN below the best that would not compile, with the step's other time measured
         cold = self._candidates(indices, times, errors, safe) if self._compute else {}
         gaining = [c for key, c in cold.items() if key not in ready and c[0] * (1 + WARM_GAIN) < best[0]]
-        self.warm = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
+        self.warm = self._warming = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
         self._awaiting = bool(self.warm)
         untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
         # a lone candidate not yet measured is tried too: a trial priced out ends early, and the re-plan then scales

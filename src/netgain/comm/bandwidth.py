@@ -73,7 +73,8 @@ class BandwidthMonitor:
     5-20 Gbit/s and the plan sent fp32, 0.23-0.49 s against a 0.2 s budget), so a rise must outlast one
     window; skip_steps: first steps whose collectives are not samples (a process's first step waits for ranks
     that start late and for first calls that compile: 0.6 s beyond the fit on `netgain train --task
-    digits`, which the first plan took for per-step overhead); rise_volume: a rise counts only where
+    digits`, which the first plan took for per-step overhead); with rise_volume they still bound the rate from
+    below (`_bound`), so auto plans after the first step; rise_volume: a rise counts only where
     measured on collectives at least this share of the largest behind the estimate (None: at any volume,
     so that a plan of small messages can climb to a faster link); clock: when a collective completed (seconds).
     """
@@ -139,6 +140,8 @@ class BandwidthMonitor:
         """(bandwidth, latency, overhead_s, volume) after one step's samples: volume is the wire bytes of the
         fitted window's largest collective; bandwidth is 0 before any sample."""
         if step and self._skip:
+            if self.rise_volume is not None:  # auto's: the skipped step still bounds the rate from below (`floor`)
+                self._bound(step)
             self._skip, step = self._skip - 1, []
         if step:
             # against an unmeasured rate (slope 0) larger messages taking longer is its first measurement, not a change
@@ -163,6 +166,16 @@ class BandwidthMonitor:
         volume = max(x for samples in self._window for x, _ in samples)
         return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))]), volume
 
+    def _bound(self, step: list[tuple[float, float]]) -> None:
+        """A skipped step's collectives as a lower bound on the link: a start-up stall only slows a collective, so
+        the fastest rate one achieved is at most the link's. It is the rate planned with, and the ceiling, until a
+        rate is measured at comparable volume: auto plans after a process's first step instead of its second (at
+        10 Mbit/s on the lab's second job, each unplanned step of gqsgd 8-bit took 11-14 s against 0.3-0.6 s planned)."""
+        measured = [(x, s) for x, s in step if s > 0]
+        if measured:
+            self.floor = max(x / s for x, s in measured)
+            self.sustained, self.volume = self.floor, max(x for x, _ in measured)
+
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf) -> float | None:
         """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
         `volume` wire bytes; returns the bandwidth to plan with."""
@@ -183,7 +196,9 @@ class BandwidthMonitor:
         recent = min(self.agreed, default=None)
         if recent == math.inf and self.sustained is None and self.rise_volume is not None and self.floor:
             return self.floor  # nothing measured yet: the link carried at least what its fastest collective did
-        return recent if self.sustained is None else min(recent, self.sustained)
+        if recent is None or self.sustained is None:
+            return recent if recent is not None else self.sustained  # a skipped step's bound (`_bound`) before any fit
+        return min(recent, self.sustained)
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         """Seconds one collective of `payload_bytes` takes on the agreed fit (overhead not included)."""
