@@ -458,8 +458,10 @@ class AdaptivePlanner:
 
     def compute_s(self) -> float:
         """auto's price of a step beside its communication: the median over recent steps of the slowest rank's
-        seconds from one step's end to the next less the step's link and codec time (0 before a second step)."""
-        return statistics.median(self._compute) if self._compute else 0.0
+        seconds from one step's end to the next less the step's link and codec time; before a second step, the
+        backward's seconds (a lower bound: the plan made after the first step priced low rank's 1.15x steps on its
+        communication alone, and at 1 Gbit/s tried it first)."""
+        return statistics.median(self._compute) if self._compute else (self._backward_s or 0.0)
 
     def overrun(self) -> float:
         """auto: how far recent steps' communication overran the model's prediction, the median (1 before a
@@ -538,6 +540,8 @@ class AdaptivePlanner:
         safe = [[ok and (i, o) not in self._forgone for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         warm = [[ok and not self._cold(i, o) for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         ready = self._candidates(indices, times, errors, warm)  # never empty: none is safe and never cold
+        if not self.monitor.agreed:  # only a first step's bound on the rate (BandwidthMonitor._bound): see _measuring
+            ready = self._measuring(ready)
         best = min(ready.values(), key=lambda c: c[0])
         self._best_price = best[0]
         # a compile holds the GIL and the cores for seconds (on the lab at 1 Gbit/s, 3 workers on 2 cores: 16
@@ -557,6 +561,17 @@ class AdaptivePlanner:
         tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
         running = self._plan_key
         return min(tied, key=lambda c: (self._steps(c[2]), self._key(indices, c[2]) != running, c[0]))[2]
+
+    def _measuring(self, candidates: dict) -> dict:
+        """The candidates whose messages measure the link at volume (no low rank), unless low rank is priced TRIAL_RANGE
+        below them all: a plan of small messages leaves the rate unmeasured, and on a bound alone it is no rate. On the
+        lab at 1 Gbit/s, low rank planned after the first step ran 8 steps, its small messages read a slower rate than
+        the link's, and fp16 waited 11 more; at 10 Mbit/s low rank is priced far below anything else."""
+        measuring = {key: c for key, c in candidates.items()
+                     if not any(isinstance(self.options[option], LowRank) for option in c[2])}
+        if measuring and min(c[0] for c in measuring.values()) <= TRIAL_RANGE * min(c[0] for c in candidates.values()):
+            return measuring
+        return candidates
 
     def _candidates(self, indices, times, errors, safe) -> dict[tuple, tuple[float, bool, list[int]]]:
         """Every plan measured on this bucket layout whose options are still allowed, and one new plan per level
@@ -620,8 +635,10 @@ class AdaptivePlanner:
         self._plan_steps += 1
         if self._plan_steps <= TRIAL_SKIP:
             return False
-        if self._priced_rate is None and (self.monitor.bandwidth or math.inf) < math.inf:
-            self._priced_rate = self.monitor.bandwidth  # the rate the prices stand for: the first measured while they run
+        if self._priced_rate is None and min(self.monitor.agreed, default=math.inf) < math.inf:
+            # the rate the prices stand for: the first fitted while they run (a first step's bound is none: at 1 Gbit/s
+            # a shaper's burst read 1.35 Gbit/s in it, the fit then 2x less, and the prices measured on it were dropped)
+            self._priced_rate = self.monitor.bandwidth
         (self._beside_compiles if compiling else self._running).append(period_s)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
         clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
@@ -712,6 +729,7 @@ class ModelledLink:
 
     def __init__(self, link: network.Link):
         self.link, self.bandwidth, self.overhead_s = link, link.bandwidth, 0.0
+        self.agreed = [link.bandwidth]  # given, so as good as measured
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         if collective == "allgather":
