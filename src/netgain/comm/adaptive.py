@@ -46,9 +46,11 @@ as exposed: on the lab a budget of the backward time "fitted"
 fp32 at 1 Gbit/s while two compressing routes ran 1.3-1.45x faster, since the step is not
 overlapped there. Options: none, bf16, fp16 (where max |g| stays below FP16_PEAK), gqsgd at `bits`, and low rank at `lowrank_rank` with fp32
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
-Until a bucket layout has a plan (the first steps, DDP's rebuild) it sends its widest gqsgd (8 bits),
+Until a bucket layout has a plan (a process's first step, DDP's rebuild) it sends its widest gqsgd (8 bits),
 not fp32: no uncompressed warm-up on a slow link, and low rank's random warm start starts from a plan
-made on gradients kept unbiased. Those steps also measure the link at volume, and auto's monitor
+made on gradients kept unbiased. The first step's collectives bound the link's rate from below (a start-up
+stall only slows them), so auto plans after it; on that bound alone it takes low rank only where priced
+TRIAL_RANGE below every plan that measures the link at volume (`_measuring`). auto's monitor
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
 sustain for large ones; before any rate is measured it plans with the fastest rate a collective achieved (a
