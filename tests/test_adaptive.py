@@ -41,12 +41,17 @@ class Clock:
         return self.now
 
 
-def monitor_step(monitor, sizes, rate, alpha=0.0005, collective="allreduce", world_size=2, noise=None):
-    """Feed one step of collectives taking alpha + wire bytes / rate each; return the local estimate."""
+def observe_step(monitor, sizes, rate, alpha=0.0005, collective="allreduce", world_size=2, noise=None):
+    """Feed one step of collectives taking alpha + wire bytes / rate each."""
     noise = noise or [1.0] * len(sizes)
     for size, factor in zip(sizes, noise):
         wire = WIRE_FACTOR[collective](world_size) * size
         monitor.observe(collective, size, (alpha + wire / rate) * factor, world_size)
+
+
+def monitor_step(monitor, sizes, rate, **step):
+    """Feed one step of collectives (observe_step); return the local estimate."""
+    observe_step(monitor, sizes, rate, **step)
     return own_estimate(monitor)
 
 
@@ -154,18 +159,13 @@ def test_auto_plans_after_the_first_step_on_the_rate_it_bounds():
     monitor.update(*monitor.add_step(monitor.take_step()))  # a step that sent nothing changes nothing
     assert monitor.bandwidth == pytest.approx(1e6 / 1.5)
     for _ in range(2):  # low rank's small messages pass a shaper's burst: no rise read from them
-        monitor.update(*monitor.add_step(monitor_step_samples(monitor, [1_000, 20_000], 25e6)))
+        observe_step(monitor, [1_000, 20_000], 25e6)
+        monitor.update(*monitor.add_step(monitor.take_step()))
     assert monitor.bandwidth == pytest.approx(1e6 / 1.5)
     for _ in range(2):  # a step far off the small messages' fit waits for a second opinion (`change`)
-        monitor.update(*monitor.add_step(monitor_step_samples(monitor, [1_000, 1_000_000], 1e6)))
+        observe_step(monitor, [1_000, 1_000_000], 1e6)
+        monitor.update(*monitor.add_step(monitor.take_step()))
     assert monitor.bandwidth == pytest.approx(1e6, rel=0.01)  # measured at volume: the bound gives way
-
-
-def monitor_step_samples(monitor, sizes, rate, alpha=0.0005):
-    """One step's samples of collectives taking alpha + wire bytes / rate each (two ranks), not yet fitted."""
-    for size in sizes:
-        monitor.observe("allreduce", size, alpha + size / rate, 2)
-    return monitor.take_step()
 
 
 def test_monitor_charges_a_queued_collective_only_its_own_time():

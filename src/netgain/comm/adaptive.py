@@ -567,8 +567,10 @@ class AdaptivePlanner:
     def _measuring(self, candidates: dict) -> dict:
         """The candidates whose messages measure the link at volume (no low rank), unless low rank is priced TRIAL_RANGE
         below them all: a plan of small messages leaves the rate unmeasured, and on a bound alone it is no rate. On the
-        lab at 1 Gbit/s, low rank planned after the first step ran 8 steps, its small messages read a slower rate than
-        the link's, and fp16 waited 11 more; at 10 Mbit/s low rank is priced far below anything else."""
+        lab at 1 Gbit/s, low rank planned after the first step held the rate at the first step's bound (1.08 Gbit/s for
+        14 steps) and ran first, fp16's trial came 8-10 steps later, and `auto` took 0.76x the fp16 hook's speed
+        (bench/results/time_to_accuracy_job1_1gbit_first_step_plan_3w_9b51ccf.md); at 10 Mbit/s low rank is priced far
+        below anything else."""
         measuring = {key: c for key, c in candidates.items()
                      if not any(isinstance(self.options[option], LowRank) for option in c[2])}
         if measuring and min(c[0] for c in measuring.values()) <= TRIAL_RANGE * min(c[0] for c in candidates.values()):
@@ -638,8 +640,9 @@ class AdaptivePlanner:
         if self._plan_steps <= TRIAL_SKIP:
             return False
         if self._priced_rate is None and min(self.monitor.agreed, default=math.inf) < math.inf:
-            # the rate the prices stand for: the first fitted while they run (a first step's bound is none: at 1 Gbit/s
-            # a shaper's burst read 1.35 Gbit/s in it, the fit then 2x less, and the prices measured on it were dropped)
+            # the rate the prices stand for: the first fitted while they run. A first step's bound is none: at 1 Gbit/s a
+            # shaper's burst read 1.35 Gbit/s in it, and prices that stood for it could be dropped as another link's once a
+            # rate was fitted (REPRICE); the 9b51ccf grid's plans show a second trial of low rank in 2 rounds of 3
             self._priced_rate = self.monitor.bandwidth
         (self._beside_compiles if compiling else self._running).append(period_s)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)

@@ -140,7 +140,7 @@ class BandwidthMonitor:
         """(bandwidth, latency, overhead_s, volume) after one step's samples: volume is the wire bytes of the
         fitted window's largest collective; bandwidth is 0 before any sample."""
         if step and self._skip:
-            if self.rise_volume is not None:  # auto's: the skipped step still bounds the rate from below (`floor`)
+            if self.rise_volume is not None:  # auto's: the skipped step still bounds the rate from below
                 self._bound(step)
             self._skip, step = self._skip - 1, []
         if step:
@@ -173,8 +173,7 @@ class BandwidthMonitor:
         10 Mbit/s on the lab's second job, each unplanned step of gqsgd 8-bit took 11-14 s against 0.3-0.6 s planned)."""
         measured = [(x, s) for x, s in step if s > 0]
         if measured:
-            self.floor = max(x / s for x, s in measured)
-            self.sustained, self.volume = self.floor, max(x for x, _ in measured)
+            self.sustained, self.volume = max(x / s for x, s in measured), max(x for x, _ in measured)
 
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf) -> float | None:
         """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
@@ -196,9 +195,8 @@ class BandwidthMonitor:
         recent = min(self.agreed, default=None)
         if recent == math.inf and self.sustained is None and self.rise_volume is not None and self.floor:
             return self.floor  # nothing measured yet: the link carried at least what its fastest collective did
-        if recent is None or self.sustained is None:
-            return recent if recent is not None else self.sustained  # a skipped step's bound (`_bound`) before any fit
-        return min(recent, self.sustained)
+        # either may be None: no fit yet (a skipped step's bound alone, `_bound`), or no rate measured at volume
+        return min((rate for rate in (recent, self.sustained) if rate is not None), default=None)
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         """Seconds one collective of `payload_bytes` takes on the agreed fit (overhead not included)."""
