@@ -96,7 +96,8 @@ AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives 
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
 # auto waits at most this many seconds of steps for a warm-up's compiles; then it forgoes those options for the run. A CPU
 # compile runs at nice 19 on what the steps leave idle (kernel.py): on the lab at 1 Gbit/s, 3 workers on 2 cores, one had
-# not finished after 60 steps (30 s) that a lone process finished in 5 s (one timing each, at a load of 2-3), and meanwhile the plan could not settle
+# not finished after 60 steps (30 s) that a lone process finished in 5 s (one timing each, at a load of 2-3), and
+# meanwhile the plan could not settle
 AWAIT_S = 20.0
 # auto: prices within 5% are a tie, which goes to the plan taking fewer steps to the target (fp32's steps are
 # certain, low rank's LOWRANK_STEPS an estimate): on the lab at 1 Gbit/s a running bf16 plan's measured price moved
