@@ -794,6 +794,22 @@ def test_collectives_beside_a_compile_are_no_samples_of_the_link(monkeypatch):
         assert planner.monitor.bandwidth == pytest.approx(12.5e6, rel=0.01 if step == 2 else 0.02)
 
 
+def test_steps_a_hook_left_unobserved_price_no_compute_and_no_link():
+    """netgain.comm.fsdp overlaps auto's settled steps and leaves their collectives unobserved: at the agreement
+    the steps' other time comes from the observed step alone, and the link time per step is that step's, not
+    spread over the unobserved ones."""
+    planner, link = comm.AutoConfig().build(), OneRankLink()
+    planner.monitor.clock = Clock()
+    planner._numels, planner.plan, planner._stale = {0: 1000}, {0: (1000, planner.options[0])}, False
+    for step in range(adaptive.AGREE_EVERY):
+        assert planner.settled(step) == (step < adaptive.AGREE_EVERY - 1)
+        if not planner.settled(step):
+            planner.monitor.observe("allreduce", 16, 0.0005, 2)
+            planner.monitor.observe("allreduce", 1_000_000, 0.0805, 2)
+        planner.end_step(link, step, 0.01, 0.0)
+    assert len(planner._compute) == 1 and planner.last["link_comm_s"] == pytest.approx(0.081)
+
+
 def test_the_codec_of_the_unplanned_steps_stays_cold():
     """auto's first step sends gqsgd 8-bit on every bucket: too few calls for its kernels to compile, so a trial
     of it is warmed first like any other cold option."""

@@ -500,6 +500,15 @@ def _auto(rank, world, folder):
     _train(model, optimizer, rank, 3, 3)
     resumed = _params(model)
     results["resumed"] = (all(torch.equal(continued[n], resumed[n]) for n in continued), state.step)
+
+    for settled in (False, True):  # the scripted plan's steps held, or overlapped as auto's settled steps are
+        model, optimizer, state = fresh(scripted=True)
+        _train(model, optimizer, rank, 1, 0)
+        state.planner.settled = lambda step, settled=settled: settled
+        _train(model, optimizer, rank, 2, 1)
+        results[f"settled={settled}"] = {"params": _params(model), "overlapping": state._overlapping,
+                                         "unobserved": state.pipeline.communicator.observer is None,
+                                         "samples": len(state.planner._pending_samples)}
     return results
 
 
@@ -537,6 +546,16 @@ def test_auto_dcp_checkpoint_resumes_its_plan_bit_for_bit(auto):
     for rank in auto:
         assert rank["planned"] == SCRIPTED and rank["loaded"]
         assert rank["resumed"] == (True, 6)
+
+
+def test_auto_overlaps_its_settled_steps_unobserved_with_the_held_steps_bits(auto):
+    """A settled step's groups cross the link while the backward goes on, as a fixed codec's do, and its
+    collectives are no samples of the link; the optimizer reads the same bits as when every step is held."""
+    for rank in auto:
+        held, overlapped = rank["settled=False"], rank["settled=True"]
+        assert not (held["overlapping"] or held["unobserved"])
+        assert overlapped["overlapping"] and overlapped["unobserved"] and overlapped["samples"] == 0
+        assert all(torch.equal(held["params"][n], overlapped["params"][n]) for n in held["params"])
 
 
 class _RunsCode:

@@ -271,23 +271,25 @@ class AdaptivePlanner:
         # a kernel compiling in the background: the codecs ran eagerly and the compile took cores, so the step
         # prices no plan and no compute (on the lab at 1 Gbit/s, bf16's trial during the first compiles read
         # 0.21-0.38 s a step and kept that price, against 0.14 s once they were done)
-        self._pending.append([backward_s, codec_s, period_s, -1.0 if last is None else
-                              max(0.0, period_s - link_time(samples) - codec_s), float(kernel.compiling())])
+        # a step whose collectives went unobserved (FSDP's overlapped steps: `settled`) prices no compute and no link
+        timed = float(bool(samples))
+        self._pending.append([backward_s, codec_s, period_s, -1.0 if last is None or not timed else
+                              max(0.0, period_s - link_time(samples) - codec_s), float(kernel.compiling()), timed])
         self._pending_samples += samples
-        if self._settled(step):
+        if self.settled(step):
             self.last = {**self.last, "replanned": False}
             return self.last
         pending, samples, self._pending, self._pending_samples = self._pending, self._pending_samples, [], []
-        # MAX of each step's backward, codec, step and other seconds and compiling flag; the sample counts' and the
-        # plan signatures' MAX and MIN (-MAX of -x)
+        # MAX of each step's backward, codec, step and other seconds, compiling and timed flags; the sample counts'
+        # and the plan signatures' MAX and MIN (-MAX of -x)
         signature = float(zlib.crc32(repr(self._plan_key).encode()) % (1 << 24))
-        agreed_rows = link.allreduce(torch.tensor(pending + [[len(samples), -len(samples), signature, -signature, 0.0]],
+        agreed_rows = link.allreduce(torch.tensor(pending + [[len(samples), -len(samples), signature, -signature, 0.0, 0.0]],
                                                   dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
-        (most, fewest, high, low, _), priced = agreed_rows.pop(), False
+        (most, fewest, high, low, *_), priced = agreed_rows.pop(), False
         if high != -low:
             raise PlanMismatchError(f"{self.mode}: ranks ran different plans before step {step + 1} (this rank: "
                                     f"{ {i: codec.describe() for i, (_, codec) in sorted(self.plan.items())} })")
-        for backward_s, codec_s, period_s, other_s, compiling in agreed_rows:
+        for backward_s, codec_s, period_s, other_s, compiling, _ in agreed_rows:
             if other_s >= 0 and not compiling:
                 self._compute.append(other_s)
             priced |= self.mode == "auto" and not self._stale and period_s >= 0 and self._price_plan(period_s, compiling)
@@ -307,7 +309,7 @@ class AdaptivePlanner:
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
-        comm_s = link_time(agreed) / len(agreed_rows) + codec_s if agreed else None
+        comm_s = link_time(agreed) / sum(row[5] for row in agreed_rows) + codec_s if agreed else None
         if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
@@ -339,9 +341,11 @@ class AdaptivePlanner:
                 "predicted_comm_s": self._predicted, "link_comm_s": comm_s, "plan_fits": self.fits,
                 "climbing": self.climbing, "trying": self.trying}
 
-    def _settled(self, step: int) -> bool:
+    def settled(self, step: int) -> bool:
         """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
-        steps' times once every AGREE_EVERY steps, from what each rank recorded since."""
+        steps' times once every AGREE_EVERY steps, from what each rank recorded since. Known at the step's start,
+        so a hook may overlap the step's collectives with the backward (netgain.comm.fsdp) and leave them
+        unobserved: the agreement's step then samples the link alone."""
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
                 and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 

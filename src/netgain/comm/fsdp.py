@@ -20,11 +20,14 @@ codecs and per-step statistics. FSDP views the output as the sharded gradients r
 returns, but reads them only at the backward's end where it divides nothing after the hook, casts
 nothing and accumulates nothing (`FSDPCommState._unread`): there the hook starts the group's average on
 the pipeline's thread and returns, so it crosses the link while the backward and the next groups'
-reduce-scatters go on, and the step's end waits for it (`overlap`, the default, for the fixed codecs).
-Elsewhere, and under a planner (auto, kimad), the hook holds the backward until the group's average
-is done: a planner's link samples need each group's collectives alone on the link (overlapped on the
-lab at 50 Mbit/s, auto read 232 kB payloads in 12 ms beside 48-byte headers waiting 20-45 ms for a
-peer still in its backward, fitted an infinite rate and sent fp32 for 8 steps).
+reduce-scatters go on, and the step's end waits for it (`overlap`, the default). Elsewhere the hook
+holds the backward until the group's average is done, and so does a planner's step that samples the
+link, measures errors, tries a plan or agrees: its link samples need each group's collectives alone on
+the link (every step overlapped on the lab at 50 Mbit/s, auto read 232 kB payloads in 12 ms beside 48-byte
+headers waiting 20-45 ms for a peer still in its backward, fitted an infinite rate and sent fp32 for 8
+steps). auto's settled steps, 9 of every AGREE_EVERY once its plan stands, overlap and go unobserved
+(`_overlaps`): held, auto's hook held the backward 0.05-0.24 s a step at 50 Mbit/s where fixed low rank,
+overlapped, held none (bench/results/fsdp_lab_tta_50mbit_deec9c3.md).
 
 The hook's process group is this rank's replicate group: the ranks that hold the same shard. auto,
 kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard position prices and plans
@@ -89,7 +92,7 @@ class FSDPCommState(CommState):
     def __init__(self, config: CommConfig, *, mesh: DeviceMesh, param_names: dict[int, str], overlap: bool = True):
         super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
         self.mesh, self.overlap = mesh, overlap
-        self._overlapping = overlap and self.planner is None  # a planner's link samples need each group alone
+        self._overlapping = False  # this step's groups cross the link while the backward goes on (`_overlaps`)
         self._shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
         self._shard, self._shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
@@ -105,7 +108,8 @@ class FSDPCommState(CommState):
         A failure of the pipeline (NaN/Inf, a plan mismatch: the same on every replica of this shard) is held
         and raised at the backward's end on every rank (`_close_step`); this replicate group's later buckets
         send nothing meanwhile, and FSDP goes on with the step's reduce-scatters, which every rank runs."""
-        if not self._in_step:
+        first = not self._in_step
+        if first:
             self._in_step = True
             Variable._execution_engine.queue_callback(self._close_step)  # runs after FSDP's own
         try:
@@ -116,7 +120,9 @@ class FSDPCommState(CommState):
         if self._failure is None:
             self._device = flat.device
             if self.pipeline is None:
-                self._start(side_stream=self._overlapping)
+                self._start(side_stream=self.overlap)
+            if first:
+                self._overlapping = self._overlaps()
             try:
                 if self._overlapping and self._unread(index, flat):
                     self.start_flat(index, flat, layout)
@@ -124,6 +130,20 @@ class FSDPCommState(CommState):
                     self.reduce_flat(index, flat, layout)
             except Exception as error:
                 self._failure = error
+
+    def _overlaps(self) -> bool:
+        """Whether this step's groups may cross the link while the backward goes on (`overlap`): with a fixed codec
+        every step; under a planner only a settled one (auto's steps between its agreements: `Planner.settled`),
+        whose collectives then go unobserved, as they share the link and the cores with the backward: the held
+        steps sample the link, each group's collectives alone."""
+        if self.planner is None or not self.overlap:
+            return self.overlap
+        overlaps = self.planner.settled(self.step)
+        if overlaps:
+            self.pipeline.communicator.observer = None
+        else:
+            self.planner.attach(self.pipeline.communicator)
+        return overlaps
 
     def _unread(self, index: int, flat: torch.Tensor) -> bool:
         """Whether FSDP leaves ``flat`` unread until the backward's end, so its average may cross the link while
@@ -293,10 +313,10 @@ def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "
     ``model``: fully_shard-ed (root and submodules) over ``mesh["shard"]``; ``mesh``: the 2-D
     (replicate, shard) DeviceMesh. ``config`` as for netgain.comm.register (CODECS): "auto" (the default:
     per FSDP group, the fastest option at the measured link, planned per shard position), a fixed codec
-    (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. ``overlap``: with a
-    fixed codec, a group's average crosses the link while the backward goes on, wherever FSDP reads the
-    group's gradients only at the backward's end (`FSDPCommState._unread`); False, or a planner: every
-    group's average holds the backward until it is done. Collective over the default group: raises PlanMismatchError on every rank when the
+    (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. ``overlap``: a group's
+    average crosses the link while the backward goes on, wherever FSDP reads the group's gradients only at
+    the backward's end (`FSDPCommState._unread`): every step with a fixed codec, auto's settled steps under
+    a planner (`FSDPCommState._overlaps`); False: every group's average holds the backward until it is done. Collective over the default group: raises PlanMismatchError on every rank when the
     ranks' configs differ.
     """
     if not isinstance(overlap, bool):
