@@ -65,6 +65,7 @@ CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloa
 DEFAULT_CONTESTANTS = [BASELINE, "native-bf16", "gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto"]
 PEERS = ((BASELINE, "x_fp32"), ("native-bf16", "x_bf16"))  # ratio columns: the peer's time to target / the contestant's
 PEER_TITLES = {"x_fp32": "x native fp32", "x_bf16": "x native bf16"}
+TRACE_STEPS = 3  # --trace-from: the steps of round 0 whose timelines each netgain contestant records
 
 
 class Refused(Exception):
@@ -115,10 +116,22 @@ def worker(args) -> None:
     best_steady = [math.inf]  # the fastest steady step so far at this rate, agreed by every rank
 
     def train(label: str, steps: int, seed: int, target: float | None = None, evaluate: bool = True,
-              may_leave: bool = False) -> dict:
-        """Up to `steps` steps of a fresh model, stopping at the first validation <= target once past --budget steps."""
+              may_leave: bool = False, traced: range = range(0)) -> dict:
+        """Up to `steps` steps of a fresh model, stopping at the first validation <= target once past --budget steps;
+        the `traced` steps' timelines (`timeline`) in its "trace"."""
         began = time.perf_counter()
         model, state = build(label, seed)
+        spans, trace = [], []  # (group, start, end) of the hook's calls; the traced steps' timelines
+        if state is not None and traced:
+            reduce = state.reduce  # FSDP calls state.reduce, looked up at each call
+
+            def timed(index, flat):
+                start = time.perf_counter()
+                try:
+                    reduce(index, flat)
+                finally:
+                    spans.append((index, start, time.perf_counter()))
+            state.reduce = timed
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
         native_wire = None if state is not None else (getattr(torch, CONTESTANTS[label][1]).itemsize
@@ -128,10 +141,16 @@ def worker(args) -> None:
         for step in range(steps):
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
+            spans.clear()
             start = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
+            loss = model(input_ids=ids, labels=ids).loss
+            forward_end = time.perf_counter()
+            loss.backward()
+            backward_end = time.perf_counter()
             optimizer.step()
             step_times.append(time.perf_counter() - start)
+            if step in traced and state is not None:
+                trace.append(timeline(step, start, forward_end, backward_end, spans, state.last_step))
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
             wire.append(native_wire if state is None else state.last_step["wire_bytes"])
@@ -157,7 +176,7 @@ def worker(args) -> None:
             state.close()
         return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
                 "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire, "step_held_s": held,
-                "plans": plans,
+                "plans": plans, "trace": trace,
                 "steady_step_s": steady, "left_race": left, "train_s": train_s, "eval_s": eval_s,
                 "wall_s": time.perf_counter() - began, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
@@ -175,14 +194,15 @@ def worker(args) -> None:
     for round_ in range(args.rounds):
         seed = args.seed + round_
         for label in racing:
+            traced = range(args.trace_from, args.trace_from + TRACE_STEPS) if args.trace_from and round_ == 0 else range(0)
             if args.targets:
                 target = args.targets[min(round_, len(args.targets) - 1)]
-                row = train(label, args.cap * args.target_step, seed, target, may_leave=True)
+                row = train(label, args.cap * args.target_step, seed, target, may_leave=True, traced=traced)
             elif label == BASELINE:  # the round's target: its validation at step T
                 row = train(label, max(args.target_step, args.budget), seed)
                 target = dict((s, loss) for s, _, loss in row["curve"])[args.target_step]
             else:
-                row = train(label, args.cap * args.target_step, seed, target, may_leave=True)
+                row = train(label, args.cap * args.target_step, seed, target, may_leave=True, traced=traced)
             first = tta.crossing(row["curve"], target)
             first_s = sum(row["step_times"][:tta.FIRST_STEPS])
             row.update(round=round_, seed=seed, target=target, reached=first is not None,
@@ -203,6 +223,17 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps({"rows": rows, "skipped": skipped}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def timeline(step: int, start: float, forward_end: float, backward_end: float, spans: list, last_step: dict) -> dict:
+    """One step's timeline on this rank, seconds from its start: the forward, the backward (to FSDP's final
+    callback, where the step's started averages are waited for), the hook's calls (FSDP's backward waiting in
+    it) and each group's average from the pipeline's trace points (encode from, on the wire from, done)."""
+    return {"step": step, "forward_end": forward_end - start, "backward_end": backward_end - start,
+            "held_s": last_step["held_s"], "plan": last_step.get("plan"),
+            "hook": [(index, begin - start, end - start) for index, begin, end in spans],
+            "buckets": [(b["index"], b["t_encode"] - start, b["t_launch"] - start, b["t_done"] - start)
+                        for b in last_step["per_bucket"] if "t_done" in b]}
 
 
 # ---------------------------------------------------------------- the two-node lab
@@ -254,7 +285,7 @@ def worker_flags(args) -> list[str]:
             "--eval-batches", str(args.eval_batches), "--eval-batch-size", str(args.eval_batch_size),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--hidden", str(args.hidden),
-            "--layers", str(args.layers), "--leave-above", str(args.leave_above),
+            "--layers", str(args.layers), "--leave-above", str(args.leave_above), "--trace-from", str(args.trace_from),
             *(["--targets", *map(str, args.targets)] if args.targets else []), "--contestants", *args.contestants]
 
 
@@ -330,8 +361,78 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
         best = min(mine, key=lambda s: s["tta_s"])
         lines += ["", f"Fastest to target at {rate}: {best['contestant']} ({fmt(best['tta_s'], '.1f')} s)."]
     lines += ["", f"![time to target and validation loss vs time]({out.name}.png)"]
+    traced = [r for r in rows if r.get("trace")]
+    if traced:
+        plot_trace(traced, Path(f"{out}_trace.png"))
+        lines += ["", "## What overlaps", "",
+                  f"Round 0's steps {meta['trace_from']}-{meta['trace_from'] + TRACE_STEPS - 1} on rank 0, timed in the "
+                  "race, at the rate of its first row. Backward: from the forward's end to the hook's last return; the "
+                  "hook holds it: its calls' seconds (FSDP waiting in them); averages beside it: the groups' encode, "
+                  "collectives and decode (the pipeline's trace points) while the backward computes, outside the "
+                  "hook's calls; end wait: from the hook's last return to the backward's end (FSDP's final callback "
+                  "waiting for the started averages, the planner's end of step).", "",
+                  "| contestant | step | held by a planner | step s | backward s | hook holds s | averages beside it s | "
+                  "end wait s | plan |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in traced:
+            for t in r["trace"]:
+                o = overlap(t)
+                lines.append(f"| {r['label']} | {t['step']} | {'yes' if o['held'] else 'no'} | "
+                             f"{r['step_times'][t['step']]:.3f} | {o['backward_s']:.3f} | {o['hook_s']:.3f} | "
+                             f"{o['beside_s']:.3f} | {o['end_wait_s']:.3f} | {t['plan'] or ''} |")
+        lines += ["", f"![one step's timeline per contestant]({out.name}_trace.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _length(intervals) -> float:
+    """Seconds covered by a union of (start, end) intervals."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def overlap(t: dict) -> dict:
+    """A timeline's overlap: the backward (forward end to the hook's last return), the hook's seconds in it, the
+    groups' averages while it computes outside the hook, the wait from there to the backward's end, and whether
+    every group's average ran inside the hook's call (held)."""
+    backward = (t["forward_end"], max(end for *_, end in t["hook"]))
+    hook = [(a, b) for _, a, b in t["hook"]]
+    inside = [(max(a, backward[0]), min(d, backward[1])) for _, a, _, d in t["buckets"]]
+    inside = [(a, b) for a, b in inside if b > a]
+    in_hook = [(max(a, c), min(b, d)) for a, b in inside for c, d in hook if min(b, d) > max(a, c)]
+    return {"backward_s": backward[1] - backward[0], "hook_s": _length(hook),
+            "beside_s": _length(inside) - _length(in_hook), "end_wait_s": t["backward_end"] - backward[1],
+            "held": all(any(a <= c and d <= b for _, a, b in t["hook"]) for _, c, _, d in t["buckets"])}
+
+
+def plot_trace(traced: list[dict], path: Path) -> None:
+    """Each contestant's middle traced step: the backward, the hook's calls and each group's encode and wire time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(traced), 1, figsize=(12, 1.6 + 0.45 * 8 * len(traced)), squeeze=False)
+    for r, (ax,) in zip(traced, axes):
+        t = r["trace"][len(r["trace"]) // 2]
+        groups = sorted({index for index, *_ in t["buckets"]} | {index for index, *_ in t["hook"]})
+        lane = {index: i + 2 for i, index in enumerate(groups)}
+        last = max(end for *_, end in t["hook"])
+        ax.broken_barh([(t["forward_end"], last - t["forward_end"])], (0.6, 0.8), color="0.75")
+        ax.broken_barh([(a, b - a) for _, a, b in t["hook"]], (0.6, 0.8), color="tab:red")
+        for index, encode, launch, done in t["buckets"]:
+            ax.broken_barh([(encode, launch - encode), (launch, done - launch)], (lane[index] - 0.4, 0.8),
+                           color=["tab:orange", "tab:blue"])
+        ax.axvline(t["backward_end"], color="k", lw=0.8, ls="--")
+        ax.set_yticks([1, *lane.values()], ["backward\n(red: in the hook)", *(f"group {i}" for i in groups)], fontsize=7)
+        ax.set_title(f"{r['label']}, step {t['step']} ({'held' if overlap(t)['held'] else 'overlapped'}): "
+                     "orange encode, blue on the wire to decoded; dashed: the backward's end", fontsize=9)
+    axes[-1][0].set_xlabel("seconds from the step's start (rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -360,6 +461,9 @@ def main(argv=None) -> int:
                         f"run at the same seeds: {BASELINE} then races last, and may leave the race")
     parser.add_argument("--leave-above", type=float, default=2.0,
                         help="a contestant whose steady step is over this x the best so far leaves the race")
+    parser.add_argument("--trace-from", type=int, default=0, metavar="STEP",
+                        help=f"record what overlaps in round 0's steps STEP..STEP+{TRACE_STEPS - 1} of each netgain "
+                        "contestant: OUT_trace.png and a table (0: none)")
     parser.add_argument("--quiet-wait", type=float, default=900,
                         help="seconds to wait for a load average below 1.0 before each rate (0: do not wait)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "fsdp_lab_tta")
@@ -371,9 +475,9 @@ def main(argv=None) -> int:
     args.budget = args.target_step if args.budget is None else args.budget
     if (args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.warmup < 1 or args.target_step % args.eval_every
             or args.budget % args.eval_every or not 0 < args.budget <= args.cap * args.target_step
-            or args.eval_batches % (NODES * PER_NODE)):
+            or args.eval_batches % (NODES * PER_NODE) or args.trace_from < 0):
         parser.error("--rounds, --cap, --eval-every and --warmup must be >= 1, --target-step and --budget multiples of "
-                     "--eval-every, --budget at most CAP x T, --eval-batches a multiple of 4")
+                     "--eval-every, --budget at most CAP x T, --eval-batches a multiple of 4, --trace-from >= 0")
     if args.worker:
         worker(args)
         return 0
@@ -400,7 +504,8 @@ def main(argv=None) -> int:
             "command": "python " + " ".join(sys.argv), "load": load, "skipped": skipped,
             **{k: getattr(args, k) for k in ("rates", "hidden", "layers", "batch_size", "seq_len", "lr", "rounds",
                                              "target_step", "cap", "budget", "eval_every", "eval_batches",
-                                             "eval_batch_size", "warmup", "seed", "targets", "leave_above")}}
+                                             "eval_batch_size", "warmup", "seed", "targets", "leave_above",
+                                             "trace_from")}}
     report(rows, summarise(rows), meta, args.out)
     return 0
 
