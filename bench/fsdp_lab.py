@@ -38,6 +38,7 @@ Writes OUT.md, OUT.csv, OUT.json and OUT.png (OUT defaults to bench/results/fsdp
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -366,22 +367,28 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
         plot_trace(traced, Path(f"{out}_trace.png"))
         lines += ["", "## What overlaps", "",
                   f"Round 0's steps {meta['trace_from']}-{meta['trace_from'] + TRACE_STEPS - 1} on rank 0, timed in the "
-                  "race, at the rate of its first row. Backward: from the forward's end to the hook's last return; the "
+                  f"race at {traced[0]['rate']}. Held: every group's average ran inside the hook's call. Backward: from the forward's end to the hook's last return; the "
                   "hook holds it: its calls' seconds (FSDP waiting in them); averages beside it: the groups' encode, "
                   "collectives and decode (the pipeline's trace points) while the backward computes, outside the "
                   "hook's calls; end wait: from the hook's last return to the backward's end (FSDP's final callback "
                   "waiting for the started averages, the planner's end of step).", "",
-                  "| contestant | step | held by a planner | step s | backward s | hook holds s | averages beside it s | "
+                  "| contestant | step | held | step s | backward s | hook holds s | averages beside it s | "
                   "end wait s | plan |", "|---|---|---|---|---|---|---|---|---|"]
         for r in traced:
             for t in r["trace"]:
                 o = overlap(t)
                 lines.append(f"| {r['label']} | {t['step']} | {'yes' if o['held'] else 'no'} | "
                              f"{r['step_times'][t['step']]:.3f} | {o['backward_s']:.3f} | {o['hook_s']:.3f} | "
-                             f"{o['beside_s']:.3f} | {o['end_wait_s']:.3f} | {t['plan'] or ''} |")
+                             f"{o['beside_s']:.3f} | {o['end_wait_s']:.3f} | {_groups(t['plan'])} |")
         lines += ["", f"![one step's timeline per contestant]({out.name}_trace.png)"]
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _groups(plan: dict | None) -> str:
+    """A plan as each codec and its number of groups."""
+    counts = collections.Counter((plan or {}).values())
+    return ", ".join(f"{codec} x{count}" for codec, count in counts.items())
 
 
 def _length(intervals) -> float:
