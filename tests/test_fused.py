@@ -257,6 +257,22 @@ def test_a_kernel_compiles_once_hot_or_when_asked_ahead(compile_jobs, monkeypatc
     assert len(compile_jobs) == 2
 
 
+def test_kernels_called_cold_run_eagerly_and_gain_no_heat(compile_jobs):
+    """Inside `cold` (a planner's unplanned codec) a kernel runs eagerly and never begins a compile, however often
+    it is called; `compile_ahead` inside it still compiles (a plan warmed meanwhile); outside, the heat starts from 0."""
+    x = torch.randn(3000)
+    with kernel.cold():
+        for _ in range(5):
+            fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
+        assert not compile_jobs
+        with kernel.compile_ahead():
+            fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
+        assert len(compile_jobs) == 1
+    with kernel.cold(False):
+        fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
+    assert len(compile_jobs) == 2
+
+
 def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")

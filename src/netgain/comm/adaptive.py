@@ -62,6 +62,7 @@ moves by more than replan_threshold, and when a plan it tries has its measured p
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import math
 import statistics
@@ -156,8 +157,9 @@ class AdaptivePlanner:
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
         # what a bucket layout without a plan sends (its first steps, DDP's rebuild): fp32, or auto's widest gqsgd,
         # unbiased in a quarter of fp32's bytes (on the lab at 10 Mbit/s its first 2 steps in bf16 took 8 s of 27)
+        # an instance of its own, whose kernels stay eager (bucket.send, kernel.cold): it runs a step or two
         widest = [option for option in self.options if isinstance(option, GlobalQSGD)][:1]
-        self.unplanned = (widest + cast if auto else self.options)[0]
+        self.unplanned = copy.copy((widest + cast if auto else self.options)[0])
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
         self.monitor = monitor or BandwidthMonitor(skip_steps=1, rise_volume=RISE_VOLUME if auto else None)
         self.plan: dict[int, tuple[int, Codec]] = {}     # bucket index -> (numel, codec)
@@ -200,7 +202,7 @@ class AdaptivePlanner:
         planned = self.plan.get(index)
         if planned is None or planned[0] != numel:
             self._stale = True  # a new bucket layout (DDP rebuilds after step 1): measure and re-plan
-            return self.unplanned  # a step or two: too few calls for its kernels to compile (kernel.HOT_CALLS)
+            return self.unplanned
         return planned[1]
 
     def describe(self) -> str:

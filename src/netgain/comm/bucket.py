@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from . import kernel
 from .codecs import Codec, Context, NoCompression, NonFiniteGradientError, PlanMismatchError
 from .collectives import Communicator
 from .store import BucketLayout
@@ -90,46 +91,49 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     # the memory restarts from this step's gradient, before the header scales it (low rank's residual joins it)
     restart = memory_codec is not None and not codec.uses_feedback
     local_grad = ctx.feedback.restart(x, ctx) if restart else None
-    checked = codec.needs_header or (planner is not None and not job.plain) or (
-        state.config.nonfinite == "uncompressed" and not uncompressed)
-    measuring = planner is not None and planner.wants_errors(state.step)
-    if checked:
-        scaled = codec.needs_scales or measuring  # the scales where the codec or the error measurement uses them
-        scales, nonfinite = header(state, communicator, index, codec, x, ctx, record, scaled)
-        if nonfinite and state.config.nonfinite == "raise":
-            bad = nonfinite_gradients(communicator, layout, x)
-            if bad or scaled:
-                raise nonfinite_error(index, bad or header_names(layout, scales, codec.scale_params(ctx)), overflowed=not bad)
-            nonfinite = False  # finite gradients whose sum (the flag's test) went past float32: fine to send
-        if nonfinite:
-            codec, uncompressed, record["codec"] = UNCOMPRESSED, True, "none (non-finite)"
-            if memory_codec is not None and not restart:
-                restart, local_grad = True, ctx.feedback.restart(x, ctx)
-        if scaled:
-            ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        job.verdict.set_result(None)
-    if measuring and codec is not UNCOMPRESSED:
-        planner.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
-    if planner is not None and planner.warm:
-        planner.prepare(index, x, ctx)  # auto: options awaiting their trial run once, their kernels compile meanwhile
-    exact = None
-    if layout.exact_index is not None and not uncompressed:
-        exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
-    record["t_encode"] = time.perf_counter()  # trace points: encode start, payload launched / done
-    with torch.profiler.record_function(f"netgain.encode bucket {index}"):
-        payload = codec.encode(x, ctx)
-    record["t_launch"] = time.perf_counter()
-    sent = communicator.start(codec.collective, payload, record, combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
-    for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
-        aggregated = sent.wait()
-        if aggregated.is_floating_point() and not all_finite(aggregated):
-            # NaN/Inf reach every rank through this round's SUM or MAX (without a header: a NaN gradient; with
-            # one, or finite gradients: a product or sum past float32), so every rank raises here, before
-            # the codec writes its state (low rank's residual and warm start)
-            bad = nonfinite_gradients(communicator, layout, x)
-            raise nonfinite_error(index, bad or layout.names, overflowed=not bad)
-        payload, op = codec.relay(aggregated, ctx)
-        sent = communicator.start("allreduce", payload, record, op=op)
+    # a planner's unplanned codec runs a step or two: its kernels stay eager (kernel.cold)
+    cold = planner is not None and codec is planner.unplanned
+    with kernel.cold(cold):
+        checked = codec.needs_header or (planner is not None and not job.plain) or (
+            state.config.nonfinite == "uncompressed" and not uncompressed)
+        measuring = planner is not None and planner.wants_errors(state.step)
+        if checked:
+            scaled = codec.needs_scales or measuring  # the scales where the codec or the error measurement uses them
+            scales, nonfinite = header(state, communicator, index, codec, x, ctx, record, scaled)
+            if nonfinite and state.config.nonfinite == "raise":
+                bad = nonfinite_gradients(communicator, layout, x)
+                if bad or scaled:
+                    raise nonfinite_error(index, bad or header_names(layout, scales, codec.scale_params(ctx)), overflowed=not bad)
+                nonfinite = False  # finite gradients whose sum (the flag's test) went past float32: fine to send
+            if nonfinite:
+                codec, uncompressed, record["codec"] = UNCOMPRESSED, True, "none (non-finite)"
+                if memory_codec is not None and not restart:
+                    restart, local_grad = True, ctx.feedback.restart(x, ctx)
+            if scaled:
+                ctx.scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+            job.verdict.set_result(None)
+        if measuring and codec is not UNCOMPRESSED:
+            planner.observe(index, x, ctx, codec)  # only buckets the planner plans (not warm-up, not tiny ones)
+        if planner is not None and planner.warm:
+            planner.prepare(index, x, ctx)  # auto: options awaiting their trial run once, their kernels compile meanwhile
+        exact = None
+        if layout.exact_index is not None and not uncompressed:
+            exact = communicator.start("allreduce", x[layout.exact_index] / n, record)
+        record["t_encode"] = time.perf_counter()  # trace points: encode start, payload launched / done
+        with torch.profiler.record_function(f"netgain.encode bucket {index}"):
+            payload = codec.encode(x, ctx)
+        record["t_launch"] = time.perf_counter()
+        sent = communicator.start(codec.collective, payload, record, combine=lambda a, b, hop: codec.combine(a, b, hop, ctx))
+        for _ in range(codec.rounds(ctx) - 1):  # low rank: each round's payload needs the last one's mean
+            aggregated = sent.wait()
+            if aggregated.is_floating_point() and not all_finite(aggregated):
+                # NaN/Inf reach every rank through this round's SUM or MAX (without a header: a NaN gradient; with
+                # one, or finite gradients: a product or sum past float32), so every rank raises here, before
+                # the codec writes its state (low rank's residual and warm start)
+                bad = nonfinite_gradients(communicator, layout, x)
+                raise nonfinite_error(index, bad or layout.names, overflowed=not bad)
+            payload, op = codec.relay(aggregated, ctx)
+            sent = communicator.start("allreduce", payload, record, op=op)
     pending = torch.futures.collect_all([sent] + ([exact] if exact is not None else []))
     threads = torch.get_num_threads()
 
@@ -138,7 +142,8 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
             record["t_done"] = time.perf_counter()
             if torch.get_num_threads() != threads:  # the collective's callback thread
                 torch.set_num_threads(threads)
-            with on_stream(stream, None), torch.profiler.record_function(f"netgain.decode bucket {index}"):
+            with (on_stream(stream, None), torch.profiler.record_function(f"netgain.decode bucket {index}"),
+                  kernel.cold(cold)):
                 out = codec.decode(sent.value(), x, ctx)
                 if exact is not None:
                     out[layout.exact_index] = exact.value()

@@ -524,6 +524,7 @@ class Planner(Chooser, Protocol):
     def observe(self, index: int, x: torch.Tensor, ctx: Context, codec: Codec) -> None: ...
 
     warm: set  # (bucket, option) to run once before the option is tried (`prepare`); empty: nothing to do
+    unplanned: Codec  # what a bucket without a plan sends (codec_for), a step or two: its kernels stay eager
 
     def prepare(self, index: int, x: torch.Tensor, ctx: Context) -> None: ...
 

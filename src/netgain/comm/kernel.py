@@ -66,6 +66,19 @@ def compile_ahead():
 
 
 @contextlib.contextmanager
+def cold(on: bool = True):
+    """Kernels called inside (with ``on``) run eagerly and gain no heat: a codec that runs only a step or two (a
+    planner's unplanned codec, under FSDP called once per group, hot at its third call) would only begin a compile
+    that takes the cores its steps need, and a planner takes no link samples beside a compile."""
+    before = getattr(_local, "cold", False)
+    _local.cold = before or on
+    try:
+        yield
+    finally:
+        _local.cold = before
+
+
+@contextlib.contextmanager
 def compile_now():
     """Kernels first called inside compile here and now (on this thread): what a timing of the compiled
     path (time_codec, a codec's calibration) must run, not the eager path that serves while compiling."""
@@ -231,12 +244,13 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         mode = compile_mode(args[0].device)
-        if mode == "eager":
+        ahead = getattr(_local, "ahead", False)  # compiles at once, also inside `cold` (a plan warmed meanwhile)
+        if mode == "eager" or (getattr(_local, "cold", False) and not ahead):
             return fn(*args, **kwargs)
         key = (variant(*args, **kwargs) if variant else None, _argument_class(args))
         graph = compiled.get(key)
         if graph is None or isinstance(graph, _Eager):
-            if mode == "background" and not args[0].is_cuda and not getattr(_local, "ahead", False):
+            if mode == "background" and not args[0].is_cuda and not ahead:
                 start = time.perf_counter()  # compile only what pays: time the eager calls
                 result = fn(*args, **kwargs)
                 graph = graph or compiled.setdefault(key, _Eager(start))
