@@ -217,16 +217,16 @@ class AdaptivePlanner:
         return self._stale or (step + 1) % self.replan_every == 0
 
     def plain(self, step: int) -> bool:
-        """auto, its plan standing and measuring no errors this step: the step runs as a fixed codec does, each
-        bucket sending a header only where its codec needs one (gqsgd's scales), and a codec that needs none and
-        makes one collective (none, bf16, fp16) launched from DDP's thread. NaN/Inf reach every rank through the
-        SUM (low rank's: round 1's, checked before its state is written), and the plan's signature joins the
+        """auto, planned on codecs that need no header and make one collective (none, bf16, fp16), measuring no
+        errors this step: the step runs as a fixed codec does, each bucket's collective launched from DDP's
+        thread with no header. NaN/Inf reach every rank through the SUM, and the plan's signature joins the
         agreement instead (AGREE_EVERY, or every step while tried): on the lab at 1 Gbit/s the header and the
-        hand-off to the pipeline's thread made auto's bf16 step 1.08x a fixed bf16 codec's; low rank with fp32
-        factors goes without one, as fixed low rank does (a collective fewer per bucket). A trial runs so too, so that it prices the plan as it would run: fp16 tried with headers read 0.138-0.17 s a step
+        hand-off to the pipeline's thread made auto's bf16 step 1.08x a fixed bf16 codec's. A trial runs so
+        too, so that it prices the plan as it would run: fp16 tried with headers read 0.138-0.17 s a step
         against low rank's 0.108-0.135, which then ran 32 steps before fp16 took over."""
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.climbing or self._awaiting)
-                and not self.wants_errors(step))
+                and not self.wants_errors(step)
+                and not any(codec.needs_header or codec.relays for _, codec in self.plan.values()))
 
     def prepare(self, index: int, x: torch.Tensor, ctx) -> None:
         """auto: run the options awaiting their trial on this bucket once, on this rank's bucket, the output

@@ -55,9 +55,7 @@ class BucketJob:
     result: torch.futures.Future          # what DDP waits on: the averaged bucket
     step_jobs: list[BucketJob] = field(default_factory=list)  # this step's buckets so far, this one included
     last: bool = False                    # DDP's last bucket of the step
-    plain: bool = False                   # a planner's step run as a fixed codec's: a header only where the codec needs one
-    codec: Codec | None = None            # decided where the job is planned, in bucket order (Pipeline._plan)
-    inline: bool = False                  # launched from the caller's thread (no header to wait for, one collective)
+    plain: bool = False                   # a planner's step run as a fixed codec's: no header, launched inline
     ready: object = None                  # CUDA: an event of the backward's stream, recorded when the bucket was
     record: dict | None = None            # statistics: codec, bytes, seconds, trace points
     out: torch.Tensor | None = None       # the decoded mean
@@ -76,8 +74,9 @@ class BucketJob:
 
 def send(state: CommState, job: BucketJob, communicator: Communicator, stream=None) -> None:
     """Header -> encode -> collective(s) -> decode of one bucket; the decode runs when the last collective completes."""
-    x, layout, planner, codec = job.buffer, job.layout, state.planner, job.codec
+    x, layout, planner = job.buffer, job.layout, state.planner
     n, index = communicator.world_size, job.index
+    codec = state.codec_for(index, x.numel())
     record = job.record = {"index": index, "numel": x.numel(), "codec": codec.describe(), "wire_bytes": 0,
                            "raw_bytes": x.numel() * x.element_size(), "comm_s": 0.0}
     segments = layout.segments
@@ -263,7 +262,7 @@ class Pipeline:
         if side_stream and torch.cuda.is_available() and torch.cuda.is_initialized() and not self.inline:
             self.stream = torch.cuda.Stream()
         self.failure: str | None = None  # why a bucket of this step failed; later buckets skip
-        self.plain = False  # this step's buckets run as a fixed codec's (a planner's standing plan: Planner.plain)
+        self.plain = False  # this step's buckets run as a fixed codec's (a planner's settled plan: Planner.plain)
 
     def submit(self, job: BucketJob) -> None:
         """From DDP's thread: start the bucket; the last bucket's call raises the step's first error."""
@@ -271,9 +270,7 @@ class Pipeline:
             job.ready = torch.cuda.Event()
             job.ready.record()
         self._plan(job)
-        # no header to wait for and one collective: launch from here, as PyTorch's own hooks do
-        job.inline = self.inline or (job.plain and not (job.codec.needs_header or job.codec.relays))
-        if job.inline:
+        if self.inline or job.plain:  # no header to wait for: launch from here, as PyTorch's own hooks do
             self._run(job)
         else:
             self.executor.submit(self._run, job)
@@ -298,7 +295,7 @@ class Pipeline:
             except Exception as error:  # the planner's agreement (a plan mismatch, a peer gone): every bucket fails
                 for j in jobs:
                     j.fail(error)
-                if job.inline:  # on DDP's thread: raised as its class
+                if job.plain:  # on DDP's thread: raised as its class
                     raise
             with on_stream(self.stream, None):  # DDP sees the step's results once its statistics are in
                 for j in jobs:
@@ -306,14 +303,12 @@ class Pipeline:
                         j.result.set_result(j.out)
 
     def _plan(self, job: BucketJob) -> None:
-        """The job's codec, and whether it runs plain: decided at the step's first bucket (the previous step has
-        ended, its plan stands)."""
+        """Whether the job runs plain: decided at the step's first bucket (the previous step has ended, its plan stands)."""
         if len(job.step_jobs) == 1:
             planner = self.state.planner
             self.plain = (planner is not None and self.state.config.nonfinite == "raise"
                           and planner.plain(self.state.step))
         job.plain = self.plain
-        job.codec = self.state.codec_for(job.index, job.buffer.numel())
 
     def run_now(self, job: BucketJob) -> None:
         """On the caller's thread and stream, to the decoded mean (netgain.comm.fsdp: the caller reads it next)."""
