@@ -234,13 +234,12 @@ def test_planner_checkpoint_carries_the_agreed_link_and_the_margin():
     planner.monitor.update(1e6, 0.002, 0.01)
     planner.monitor.update(3e6, 0.002, 0.01)
     planner._overruns.extend([1.0] * 10 + [1.4] * 2)
-    planner._excesses.extend([0.0] * 10 + [0.02] * 2)
     planner._backward_s = 0.05
     state = torch.load(io.BytesIO(_saved(planner.state_dict())), weights_only=True)
     resumed = AdaptivePlanner("kimad+")
     resumed.load_state_dict(state)
     assert resumed.monitor.bandwidth == 1e6 and list(resumed.monitor.agreed) == [1e6, 3e6]
-    assert resumed.margin() == planner.margin() > 1 and resumed._excesses == planner._excesses
+    assert resumed.margin() == planner.margin() > 1
     assert resumed.monitor.update(3.5e6, 0.002) == 1e6  # the steps before the checkpoint count toward a rise
     assert [resumed.monitor.update(3.5e6, 0.002) for _ in range(6)][-1] == 3e6
 
@@ -452,22 +451,6 @@ RELATIVE = (0.0, 0.001, 0.03, 2.0, 0.0005)
 def test_plan_prefers_unbiased_codes_that_fit_over_a_biased_one():
     assert planner_on_link("kimad+", 1.0, RELATIVE) == ["none"]
     assert planner_on_link("kimad+", 0.2, RELATIVE) == ["gqsgd(bits=8,encoding=packed)"]  # top-k errs less, but is biased
-
-
-def test_a_plan_not_yet_measured_takes_the_lesser_correction_of_the_overrun():
-    """Recent steps overran the model: as a rate error (a burst read a fast link: fp16 predicted 5 ms, took 0.3 s)
-    the overrun scales a smaller plan's bytes down with it; as a cost per step (low rank's small messages predicted
-    5 ms, took 50 ms: latency, a peer's wait) it adds to a plan of the same size, not 10x."""
-    planner = comm.AutoConfig().build()
-    assert planner.unmeasured_comm_s(0.05) == 0.05  # before a step: the model's
-    planner._overruns.extend([60.0] * 3)
-    planner._excesses.extend([0.295] * 3)
-    assert planner.unmeasured_comm_s(0.0005) == pytest.approx(0.03)  # low rank after fp16's burst: scaled
-    planner._overruns.clear()
-    planner._excesses.clear()
-    planner._overruns.extend([10.0] * 3)
-    planner._excesses.extend([0.045] * 3)
-    assert planner.unmeasured_comm_s(0.006) == pytest.approx(0.051)  # fp32 factors after 8-bit's: added
 
 
 def test_plan_leaves_room_for_the_steps_measured_spread():

@@ -54,8 +54,8 @@ TRIAL_RANGE below every plan that measures the link at volume (`_measuring`). au
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
 sustain for large ones; before any rate is measured it plans with the fastest rate a collective achieved (a
-lower bound, BandwidthMonitor.floor), and it corrects the plans not yet measured by how far recent steps
-overran the model (`unmeasured_comm_s`). It re-plans when its errors are measured (replan_every), when the link's rate
+lower bound, BandwidthMonitor.floor), and it scales the plans not yet measured by how far recent steps
+overran the model (`overrun`). It re-plans when its errors are measured (replan_every), when the link's rate
 moves by more than replan_threshold, and when a plan it tries has its measured price.
 """
 
@@ -191,7 +191,6 @@ class AdaptivePlanner:
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
-        self._excesses: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured - predicted seconds
         self._stale = True
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
         self.climbing = False  # the plan is held below what the estimate asks for (GROWTH): re-plan each step
@@ -315,7 +314,6 @@ class AdaptivePlanner:
         comm_s = link_time(agreed) / sum(row[5] for row in agreed_rows) + codec_s if agreed else None
         if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)
-            self._excesses.append(comm_s - self._predicted)
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)
@@ -397,7 +395,6 @@ class AdaptivePlanner:
                 "sustained": self.monitor.sustained, "volume": self.monitor.volume, "floor": self.monitor.floor,
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
-                "excesses": list(self._excesses),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
                 "priced_rate": self._priced_rate, "plan": self._plan_state()}
 
@@ -424,8 +421,6 @@ class AdaptivePlanner:
         self._priced_rate = state.get("priced_rate")
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
-        self._excesses.clear()
-        self._excesses.extend(state.get("excesses", []))
         if "plan" in state:  # (a state saved without it re-plans from the next step's measurements)
             self._load_plan(state["plan"])
         self.last = self._statistics(False, None)  # what settled steps report until the next agreement
@@ -477,20 +472,12 @@ class AdaptivePlanner:
         communication alone, and at 1 Gbit/s tried it first)."""
         return statistics.median(self._compute) if self._compute else (self._backward_s or 0.0)
 
-    def unmeasured_comm_s(self, comm_s: float) -> float:
-        """auto: the communication of a plan not yet measured, the model's ``comm_s`` corrected by how far recent
-        steps overran the model (medians; none before a step), read either as a rate error, which scales with the
-        bytes (overrun), or as a cost per step that no codec changes (excess): the lesser of the two, so that its
-        trial measures which. A shaper's burst read 2.5 Gbit/s on the lab at 50 Mbit/s under HSDP, the first plan
-        sent fp32 and fp16 at 0.66 s a step against low rank's 0.3 s, and until the rate fell, the model priced
-        every smaller plan no cheaper: a rate error. Scaled alone, the 10x overrun of low rank's small 8-bit factor
-        messages (their latency and the peer's wait) priced fp32 factors, of about the same predicted time, at
-        twice their cost under HSDP at 100 Mbit/s, and auto never tried them: a cost per step."""
-        if not self._overruns:
-            return comm_s
-        overrun = statistics.median(self._overruns)
-        excess = statistics.median(self._excesses) if self._excesses else math.inf  # (a state saved before them)
-        return min(overrun * comm_s, max(0.0, comm_s + excess))
+    def overrun(self) -> float:
+        """auto: how far recent steps' communication overran the model's prediction, the median (1 before a
+        step): it scales the communication of the plans not yet measured. A shaper's burst read 2.5 Gbit/s on
+        the lab at 50 Mbit/s under HSDP, the first plan sent fp32 and fp16 at 0.66 s a step against low rank's
+        0.3 s, and until the rate fell, the model priced every smaller plan no cheaper."""
+        return statistics.median(self._overruns) if self._overruns else 1.0
 
     def margin(self) -> float:
         """How far measured steps overrun the plan's prediction, at least 1: the plan aims at budget /
@@ -603,11 +590,11 @@ class AdaptivePlanner:
         prices it TIE below every measured plan of its level: on the lab at 1 Gbit/s, where all prices lay within
         10%, each re-plan's new mix of options (and each level's new candidate after the first) ran a trial of
         8 steps, 8-10 switches in a 120-step run."""
-        compute_s = self.compute_s()
+        compute_s, overrun = self.compute_s(), self.overrun()
         factors = [steps_to_target(option) for option in self.options]
 
         def predicted(choice):
-            return compute_s + self.unmeasured_comm_s(sum(ts[c] for ts, c in zip(times, choice)))
+            return compute_s + overrun * sum(ts[c] for ts, c in zip(times, choice))
 
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
