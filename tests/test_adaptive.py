@@ -453,6 +453,23 @@ def test_plan_prefers_unbiased_codes_that_fit_over_a_biased_one():
     assert planner_on_link("kimad+", 0.2, RELATIVE) == ["gqsgd(bits=8,encoding=packed)"]  # top-k errs less, but is biased
 
 
+def test_plans_not_yet_measured_are_scaled_by_the_running_plans_own_overrun():
+    """A trial's overrun (fp16 on a burst's rate, 35x) does not price the plans after it: the running plan's own
+    ratios do, and until it has any, recent steps'. A new plan starts its own."""
+    planner = comm.AutoConfig().build()
+    assert planner.overrun() == 1.0
+    planner._overruns.extend([35.0] * 8)
+    assert planner.overrun() == 35.0
+    planner._overruns.extend([2.4] * 3)
+    planner._plan_overruns = [2.4] * 3
+    assert planner.overrun() == 2.4
+    planner._numels[0], planner.errors[0], planner.relative[0] = 1000, [0.0] * 7, [0.0] * 7
+    planner.monitor.update(1e6, 0.0)
+    planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
+    planner._solve(2)  # a new plan
+    assert planner._plan_overruns == [] and planner.overrun() == 35.0
+
+
 def test_plan_leaves_room_for_the_steps_measured_spread():
     """gqsgd 8-bit (0.114 s on the model) fits 0.12 s; steps that overran their prediction by 1.5x at
     the 95th percentile make the plan aim at 0.08 s, where only 4 bits (0.067 s) fit."""
