@@ -231,7 +231,7 @@ def timeline(step: int, start: float, forward_end: float, backward_end: float, s
     callback, where the step's started averages are waited for), the hook's calls (FSDP's backward waiting in
     it) and each group's average from the pipeline's trace points (encode from, on the wire from, done)."""
     return {"step": step, "forward_end": forward_end - start, "backward_end": backward_end - start,
-            "held_s": last_step["held_s"], "plan": last_step.get("plan"),
+            "plan": last_step.get("plan"),
             "hook": [(index, begin - start, end - start) for index, begin, end in spans],
             "buckets": [(b["index"], b["t_encode"] - start, b["t_launch"] - start, b["t_done"] - start)
                         for b in last_step["per_bucket"] if "t_done" in b]}

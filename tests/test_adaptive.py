@@ -461,13 +461,13 @@ def test_plans_not_yet_measured_are_scaled_by_the_running_plans_own_overrun():
     planner._overruns.extend([35.0] * 8)
     assert planner.overrun() == 35.0
     planner._overruns.extend([2.4] * 3)
-    planner._plan_overruns = [2.4] * 3
+    planner._plan_overrun_steps = 3
     assert planner.overrun() == 2.4
     planner._numels[0], planner.errors[0], planner.relative[0] = 1000, [0.0] * 7, [0.0] * 7
     planner.monitor.update(1e6, 0.0)
     planner._profiles[2] = [codec_profile(o, 2, cost="free") for o in planner.options]
     planner._solve(2)  # a new plan
-    assert planner._plan_overruns == [] and planner.overrun() == 35.0
+    assert planner._plan_overrun_steps == 0 and planner.overrun() == 35.0
 
 
 def test_plan_leaves_room_for_the_steps_measured_spread():
@@ -830,8 +830,8 @@ def test_steps_a_hook_left_unobserved_price_no_compute_and_no_link():
 def test_the_codec_of_the_unplanned_steps_stays_cold():
     """auto's first step sends gqsgd 8-bit on every bucket, as an instance of its own whose kernels stay eager
     (bucket.send, kernel.cold): under HSDP it runs once per group, hot by its third call, and the compile it began
-    took the cores of the first 23 steps on the lab at 50 Mbit/s, which measured no link beside it and went
-    unplanned. A trial of gqsgd 8-bit is warmed first like any other cold option."""
+    took the cores of the first 23 steps on the lab at 50 Mbit/s (a probe at a load of 1.8), which measured no link
+    beside it and went unplanned. A trial of gqsgd 8-bit is warmed first like any other cold option."""
     planner = comm.AutoConfig().build()
     unplanned = planner.codec_for(3, 1000)
     option = [o.describe() for o in planner.options].index(unplanned.describe())

@@ -191,7 +191,7 @@ class AdaptivePlanner:
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
         self._overruns: collections.deque = collections.deque(maxlen=OVERRUN_WINDOW)  # measured / predicted per step
-        self._plan_overruns: list[float] = []             # auto: those of the plan running now
+        self._plan_overrun_steps = 0                      # auto: how many of them the plan running now measured
         self._stale = True
         self.fits = True  # the plan is predicted within budget / margin (False: nothing admissible fits)
         self.climbing = False  # the plan is held below what the estimate asks for (GROWTH): re-plan each step
@@ -315,7 +315,7 @@ class AdaptivePlanner:
         comm_s = link_time(agreed) / sum(row[5] for row in agreed_rows) + codec_s if agreed else None
         if self._predicted and not self._stale and comm_s is not None:
             self._overruns.append(comm_s / self._predicted)
-            self._plan_overruns = (self._plan_overruns + [comm_s / self._predicted])[-OVERRUN_WINDOW:]
+            self._plan_overrun_steps += 1
         measured = self.wants_errors(step) and bool(self._local_errors)
         if measured:
             self._agree_errors(link)
@@ -408,7 +408,7 @@ class AdaptivePlanner:
                 "stale": self._stale, "trying": self.trying, "climbing": self.climbing, "fits": self.fits,
                 "predicted": self._predicted, "planned_link": list(self._planned_link) if self._planned_link else None,
                 "steps": self._plan_steps, "running": list(self._running), "beside_compiles": list(self._beside_compiles),
-                "overruns": list(self._plan_overruns),
+                "overrun_steps": self._plan_overrun_steps,
                 "best_price": self._best_price}
 
     def load_state_dict(self, state: dict) -> None:
@@ -447,7 +447,7 @@ class AdaptivePlanner:
         self._running.clear()
         self._running.extend(saved["running"])
         self._beside_compiles = list(saved["beside_compiles"])
-        self._plan_overruns = list(saved.get("overruns", []))
+        self._plan_overrun_steps = int(saved.get("overrun_steps", 0))
         self._best_price = saved.get("best_price")
 
     def settled_price(self) -> float | None:
@@ -483,8 +483,9 @@ class AdaptivePlanner:
         a step against low rank's 0.3 s, and until the rate fell, the model priced every smaller plan no cheaper.
         The running plan's own: under HSDP at 100 Mbit/s, a window holding fp16's trial (35x) and low rank 8-bit
         factors' steps read 10x, which priced fp32 factors at twice 8-bit's measured step, and auto kept 8-bit
-        factors for 49-99 steps without trying fp32 ones (the fastest contestant there)."""
-        ratios = self._plan_overruns or self._overruns
+        factors for 49-99 steps without trying fp32 ones (the fastest contestant there; the prices from a probe at a
+        load of 1-2, an indication)."""
+        ratios = list(self._overruns)[-self._plan_overrun_steps:] if self._plan_overrun_steps else self._overruns
         return statistics.median(ratios) if ratios else 1.0
 
     def margin(self) -> float:
@@ -523,7 +524,7 @@ class AdaptivePlanner:
             self._plan_key, self._plan_steps = key, 0
             self._running.clear()
             self._beside_compiles.clear()
-            self._plan_overruns = []
+            self._plan_overrun_steps = 0
         self.plan = {i: (self._numels[i], self.options[c]) for i, c in zip(indices, choice)}
         self._predicted = sum(ts[c] for ts, c in zip(times, choice)) + self.monitor.overhead_s
         self._planned_link = (self.monitor.bandwidth, self.monitor.overhead_s)
