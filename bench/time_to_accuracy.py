@@ -229,6 +229,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from netgain import models
+    from netgain.comm import kernel
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -248,6 +249,7 @@ def worker(args) -> None:
         race once the steady step (median of steps 1-10, the mean for local-step routes, whose averages it
         includes; the slowest rank's) is over --leave-above x the cell's best: a per-step contestant as soon as
         over half of those steps are (fp32 DDP at 10 Mbit/s takes half a minute a step)."""
+        kernel.wait_for_compiles()  # untimed: a compile an earlier contestant left in flight would slow this one
         torch.manual_seed(seed if args.seed_per_round else 0)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         numel = sum(p.numel() for p in model.parameters())
