@@ -15,6 +15,8 @@ below it (validations: every `--eval-every` steps, on a fixed set of held-out wi
 every contestant), so that a contestant a hair above the target at a validation is not charged
 `--eval-every` whole steps. After each per-step run the ranks compare a fingerprint of their parameters' bits: the
 report names any run whose replicas differed (data parallel training must keep them equal).
+With `--time-budget S` every contestant trains on to at least S seconds, and the report adds each one's
+validation loss at S seconds: a route that reaches the target soon but ends worse shows as worse.
 
 As in bench/hook_lab.py, the workers start once per (rate, world size) cell and train every
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
@@ -173,6 +175,15 @@ def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
     return None
 
 
+def loss_at(curve: list[tuple], seconds: float) -> float | None:
+    """The validation loss at `seconds` of training on the curve [(step, seconds, loss)], interpolated between the
+    validations around it; None where the curve ends before it."""
+    for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:]):
+        if t1 >= seconds:
+            return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0) if t1 > t0 else l1
+    return None
+
+
 def validation_loss(model, batches) -> float:
     """Mean loss over fixed validation batches, each rank a share of them: a collective, every rank calls it."""
     import torch
@@ -242,9 +253,16 @@ def worker(args) -> None:
 
     best_steady = [math.inf]  # the cell's fastest steady step so far, agreed by every rank
 
+    def slowest_sum(step_times: list[float]) -> float:
+        """The seconds trained so far, each step the slowest rank's (a collective: every rank calls it)."""
+        slowest = torch.tensor(step_times, dtype=torch.float64)
+        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+        return slowest.sum().item()
+
     def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0,
-              may_leave: bool = False) -> dict:
-        """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target.
+              may_leave: bool = False, budget_s: float = 0.0) -> dict:
+        """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target,
+        and in either case on to at least `budget_s` seconds of training (the slowest rank's; steps past the cap too).
         seed: the batches'; with --seed-per-round also the initial model's (else seed 0's). may_leave: leave the
         race once the steady step (median of steps 1-10, the mean for local-step routes, whose averages it
         includes; the slowest rank's) is over --leave-above x the cell's best: a per-step contestant as soon as
@@ -267,7 +285,10 @@ def worker(args) -> None:
         train_s, eval_s, wire, step_times, steady, left = 0.0, 0.0, [], [], None, False
         norms, plans = [], []  # the norm of the gradient each step applied (untimed), a planner's plan by step
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
-        for step in range(steps):
+        for step in itertools.count():
+            if step >= steps and not (budget_s and eval_every and step % eval_every):  # budget: to a validation
+                if not budget_s or slowest_sum(step_times) >= budget_s:
+                    break
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
             start = time.perf_counter()
@@ -289,7 +310,7 @@ def worker(args) -> None:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
                 eval_s += time.perf_counter() - start
-                if target is not None and curve[-1][2] <= target:
+                if target is not None and curve[-1][2] <= target and (not budget_s or slowest_sum(step_times) >= budget_s):
                     break
             sure_over = False  # over half of steps 1-10 already over the bar: the median will be, leave now
             if may_leave and not local and math.isfinite(best_steady[0]) and 1 < len(step_times) <= FIRST_STEPS:
@@ -323,7 +344,7 @@ def worker(args) -> None:
             state.close()
         return {"label": label, "workers": world, "numel": numel, "curve": curve, "steps": len(wire), "route": route,
                 "step_times": step_times, "grad_norms": norms, "plans": plans, "step_wire_bytes": wire, "steady_step_s": steady, "left_race": left,
-                "replicas_agree": agree,
+                "replicas_agree": agree, "budget_loss": loss_at(curve, budget_s) if budget_s else None,
                 "train_s": train_s, "eval_s": eval_s, "wire_bytes": statistics.mean(wire),
                 "samples_s": len(wire) * args.batch_size * world / train_s}
 
@@ -340,7 +361,8 @@ def worker(args) -> None:
                 row = train(label, args.target_step, seed, eval_every=args.eval_every)
                 target = row["curve"][-1][2]
             else:
-                row = train(label, args.cap * args.target_step, seed, target, args.eval_every, may_leave=True)
+                row = train(label, args.cap * args.target_step, seed, target, args.eval_every, may_leave=True,
+                            budget_s=args.time_budget or 0.0)
             first = crossing(row["curve"], target)
             first_s = sum(row["step_times"][:FIRST_STEPS])
             row.update(round=round_, target=target, reached=first is not None, final_loss=row["curve"][-1][2],
@@ -518,6 +540,7 @@ def worker_flags(args, contestants: list[str]) -> list[str]:
             "--seed", str(args.seed), *(["--seed-per-round"] if args.seed_per_round else []), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--hidden", str(args.hidden), "--layers", str(args.layers), *(["--corpus", args.corpus] if args.corpus else []), "--bucket-mb", str(args.bucket_mb),
             *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else []),
+            *(["--time-budget", str(args.time_budget)] if args.time_budget is not None else []),
             "--leave-above", str(args.leave_above), *(["--targets", *map(str, args.targets)] if args.targets else []),
             "--contestants", *contestants]
 
@@ -541,7 +564,9 @@ def summarise(rows: list[dict], picks: dict) -> list[dict]:
     """Per cell and contestant: medians and min-max over rounds; time-to-target ratios per round vs every PyTorch hook."""
     out = []
     for rate, workers, label, mine, by_round in per_contestant(rows):
+        budget = [r.get("budget_loss") for r in mine]
         row = {"rate": rate, "workers": workers, "contestant": label, **race_summary(mine),
+               "budget_loss": None if None in budget else statistics.median(budget),
                "pick": picks.get((rate, workers), {}).get("label") == label}
         add_ratios(row, by_round, label, "time_to_target", PEERS)
         out.append(row)
@@ -674,7 +699,11 @@ def report(rows, summary, picks, meta, out: Path) -> None:
              "target likewise); median over rounds (min-max), 'not reached' counted as infinite. "
              "x HOOK: per-round ratio of the hook's time to target to the contestant's (> 1: sooner than the hook), "
              "median (min-max); 0.00: the contestant did not reach the target, inf: the hook did not. "
-             "Samples/s, wire MB/step (mean over the steps trained), final validation loss: medians over rounds."]
+             "Samples/s, wire MB/step (mean over the steps trained), final validation loss: medians over rounds."
+             + ("" if not meta.get("time_budget") else
+                f" Every contestant trained on past the target (and past the step cap) to at least {meta['time_budget']:g} s "
+                f"of training; val loss at {meta['time_budget']:g} s: the curve's, interpolated between the validations "
+                "around it, median over rounds (empty where a round ended sooner: it left the race).")]
     if meta.get("targets"):
         lines += ["", f"Targets given (`--targets`, fp32 DDP's from an earlier run of this job): {meta['targets']}; "
                   f"ddp raced last. A contestant whose steady step (median of steps 1-{FIRST_STEPS}, slowest rank) was "
@@ -697,8 +726,9 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                      if chosen.get("steps") is not None else "") + ".", "",
                   f"| contestant | reached | time to target s (min-max) | without the first {FIRST_STEPS} steps | "
                   + " | ".join(PEER_TITLES[k] for k in peers)
-                  + " | steps to target | steady step s | samples/s | wire MB/step | final val loss |",
-                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|"]
+                  + " | steps to target | steady step s | samples/s | wire MB/step | final val loss |"
+                  + (f" val loss at {meta['time_budget']:g} s |" if meta.get("time_budget") else ""),
+                  "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|---|" + ("---|" if meta.get("time_budget") else "")]
         for s in mine:
             spread = "" if s["tta_s"] == math.inf else f" ({fmt(s['tta_min'], '.1f')}-{fmt(s['tta_max'], '.1f')})"
             left = f" (left the race {s['left_race']}x)" if s.get("left_race") else ""
@@ -706,7 +736,8 @@ def report(rows, summary, picks, meta, out: Path) -> None:
                          f"{fmt(s['tta_s'], '.1f')}{spread} | {fmt(s.get('tta_after_first_s'), '.1f')} | "
                          + " | ".join(format_ratio(s, k) for k in peers)
                          + f" | {fmt(s['steps_to_target'], '.1f')} | {fmt(s.get('steady_step_s'), '.3f')} | "
-                         f"{s['samples_s']:.2f} | {s['wire_MB']:.3f} | {s['final_loss']:.4f} |")
+                         f"{s['samples_s']:.2f} | {s['wire_MB']:.3f} | {s['final_loss']:.4f} |"
+                         + (f" {fmt(s.get('budget_loss'), '.4f')} |" if meta.get("time_budget") else ""))
     drifted = [f"{r['label']} (round {r['round']}, {r['rate']}, {r['workers']} workers)" for r in rows
                if r.get("replicas_agree") is False]
     lines += ["", "## Verdicts", ""] + [f"- {line}" for line in verdicts(summary, picks)]
@@ -744,6 +775,9 @@ def main(argv=None) -> int:
                         "library's source; a second job: apt-get install python3.11-doc, then "
                         "--corpus /usr/share/doc/python3.11/html/_sources)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS",
+                        help="quality at equal time: every contestant trains on to at least SECONDS of training (past the "
+                        "target and the step cap), and the report adds its validation loss at SECONDS")
     parser.add_argument("--max-minutes", type=float,
                         help="per cell, from its first round: start no round that would end later than this "
                         "(as long as the last one took; the report says how many ran)")
@@ -771,6 +805,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.cap < 1 or args.eval_every < 1 or args.target_step % args.eval_every:
         parser.error("--rounds, --cap and --eval-every must be >= 1, --target-step a multiple of --eval-every")
+    if args.time_budget is not None and not 0 < args.time_budget < math.inf:
+        parser.error(f"--time-budget must be a number of seconds > 0, got {args.time_budget}")
     if args.corpus and not args.worker:  # in the parent, before any worker starts
         from netgain import data
 
@@ -816,7 +852,7 @@ def main(argv=None) -> int:
             "compute_s": compute, "codec_cost": args.codec_cost,
             **{k: getattr(args, k) for k in ("hidden", "layers", "batch_size", "seq_len", "lr", "rounds", "target_step",
                                              "cap", "eval_every", "eval_batches", "eval_batch_size", "warmup",
-                                             "bucket_mb", "max_minutes", "seed", "seed_per_round", "targets",
+                                             "bucket_mb", "max_minutes", "time_budget", "seed", "seed_per_round", "targets",
                                              "leave_above", "corpus")}}
     report(rows, summarise(rows, picks), picks, meta, args.out)
     return 0
