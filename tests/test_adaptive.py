@@ -736,6 +736,11 @@ def test_auto_runs_a_settled_plan_of_plain_codecs_as_a_fixed_codec():
     for name in ("gqsgd(bits=8,encoding=packed)", "lowrank(rank=4,factors=fp32)"):
         planner.plan = {0: (1000, planner.options[names.index(name)])}
         assert not planner.plain(3)
+        # a mix: one bucket launched inline and one on the pipeline's thread would issue a step's collectives in a
+        # different order on each rank (gloo aborted an HSDP run so, 2b56ca7): the whole step goes to the thread
+        planner._numels[1] = 1000
+        planner.plan = {0: (1000, planner.options[names.index("fp16")]), 1: (1000, planner.options[names.index(name)])}
+        assert not planner.plain(3)
     assert not comm.AdaptivePlanner("kimad+").plain(3)
 
 

@@ -61,17 +61,22 @@ def _gathered(params):
 
 
 def chosen(rank, world_size):
-    """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), and with the route
-    predicted beyond TRIAL_RANGE of it (no trial)."""
+    """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), with the route
+    predicted beyond TRIAL_RANGE of it (no trial), and local winning while the route's kernels take one step to
+    compile (reported by a stand-in for `_compiling`: the first check clear, the one after the warm-up not)."""
     out = {}
-    for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0)):
+    for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0),
+                                   ("compiling", float("inf"), 0.0)):
         model, optimizer, route = _routed(0, price, predicted)
+        if case == "compiling":
+            answers = iter([False, True])
+            route._compiling = lambda: next(answers, False)
         try:
             steps = _steps(model, optimizer, route, rank, 0, 1 + TRIAL + 6)
         finally:
             route.close()
         out[case] = {"phases": [phase for phase, _, _ in steps], "sent": [sent for _, sent, _ in steps],
-                     "equal": [_gathered(params) for _, _, params in steps]}
+                     "equal": [_gathered(params) for _, _, params in steps], "warmed": route._warmed}
     return out
 
 
@@ -80,7 +85,8 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
     (replicas differ) but after each applied average (period 8, one step on the wire: steps 9, 17), when every
     replica holds the average. Local steps then stay (price infinite), or the per-step plan runs again from that
     average, replicas equal at every step and the hook sending every step (price near zero). A route the model
-    prices beyond TRIAL_RANGE x the per-step plan runs no trial."""
+    prices beyond TRIAL_RANGE x the per-step plan runs no trial and compiles nothing (its kernels are warmed only once
+    it is priced within range); one whose kernels still compile after that warm-up starts its trial a step later."""
     results = run(chosen, 2)
     assert all(status == "ok" for status, _ in results), results
     for _, value in results:
@@ -93,6 +99,9 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert per_step["phases"][TRIAL:] == ["per-step-chosen"] * (len(per_step["phases"]) - TRIAL)
         assert all(per_step["equal"][TRIAL:]) and all(per_step["sent"][TRIAL + 1:])
         assert untried["phases"] == ["per-step-chosen"] * len(untried["phases"]) and all(untried["equal"])
+        assert local["warmed"] and per_step["warmed"] and not untried["warmed"]
+        waited = value["compiling"]["phases"]
+        assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
 
 
 def resumed(rank, world_size, path):

@@ -431,7 +431,8 @@ class LocalRoute:
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
     it (`_predicted`), every rank takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient, and a SyncOptimizer
-    averages the parameters every period, in summable codes; its codec's kernels compiled ahead, `_warm`). Its price, from the trial's last
+    averages the parameters every period, in summable codes; its codec's kernels compiled ahead once the route is
+    priced within range, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
@@ -455,13 +456,16 @@ class LocalRoute:
         self._trying = False  # of the last step (last_step); and its SyncOptimizer.last_step if it was local, else None
         self._local_step: dict | None = None
         self._raw_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        self._warm()
+        self._warmed = False
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def _warm(self) -> None:
         """Run the route's codec once on a scratch copy of the parameters, its output dropped, so its kernels
         compile in the background while the per-step plan serves; the trial waits for them (on the lab at
-        1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm)."""
+        1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm).
+        Only once the route is priced within range: warmed at `offer`, its compile ran beside the run's first
+        steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against the cell's best 0.099 s,
+        time_to_accuracy_job1_1gbit_3w_a87f99f.md), even where the model then priced the route out."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.numel()]
         fragment = _Fragment.build(0, 0, named)
         world, rank = dist.get_world_size(self.state.process_group), dist.get_rank(self.state.process_group)
@@ -474,13 +478,19 @@ class LocalRoute:
         self._trying, self._local_step = self.phase == "trial", None
         if self.sync is None:
             price = self.state.planner.settled_price() if self.phase == "per-step" else None
-            if price is not None and not self._compiling():
-                self.price = price
-                self.route_price = self._predicted()
-                if self.route_price <= TRIAL_RANGE * price:
-                    self._enter("trial")
-                else:  # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
-                    self.phase = "per-step-chosen"
+            if price is None or self._compiling():
+                return
+            self.price, self.route_price = price, self._predicted()
+            if self.route_price > TRIAL_RANGE * price:
+                # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
+                self.phase = "per-step-chosen"
+                return
+            if not self._warmed:
+                self._warm()
+                self._warmed = True
+                if self._compiling():  # the trial once every rank's kernels are ready
+                    return
+            self._enter("trial")
             return
         self.sync.after_inner_step()
         self._local_step = self.sync.last_step
