@@ -20,7 +20,8 @@ validation loss at S seconds: a route that reaches the target soon but ends wors
 
 As in bench/hook_lab.py, the workers start once per (rate, world size) cell and train every
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
-round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time.
+round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time; and each
+contestant starts once the compiles an earlier one left in flight are done (untimed): they would slow its steps.
 `netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
 step timed here with every worker computing at once, as the lab's workers share the cores, codecs
 charged the same slowdown, and the cell's lab link) is made before the run and always runs as a contestant;
