@@ -254,16 +254,21 @@ def worker(args) -> None:
 
     best_steady = [math.inf]  # the cell's fastest steady step so far, agreed by every rank
 
-    def slowest_sum(step_times: list[float]) -> float:
-        """The seconds trained so far, each step the slowest rank's (a collective: every rank calls it)."""
-        slowest = torch.tensor(step_times, dtype=torch.float64)
-        dist.all_reduce(slowest, dist.ReduceOp.MAX)
-        return slowest.sum().item()
+    def slowest(step_times: list[float]) -> list[float]:
+        """Each step's time at the slowest rank (a collective: every rank calls it)."""
+        times = torch.tensor(step_times, dtype=torch.float64)
+        dist.all_reduce(times, dist.ReduceOp.MAX)
+        return times.tolist()
+
+    def trained(step_times: list[float]) -> float:
+        """The seconds trained so far, the slowest rank's, summed as the curve's times are (a collective)."""
+        return [0.0, *itertools.accumulate(slowest(step_times))][-1]
 
     def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0,
               may_leave: bool = False, budget_s: float = 0.0) -> dict:
         """A fresh DDP wrap of the initial model, trained up to `steps` steps or to the first validation <= target,
-        and in either case on to at least `budget_s` seconds of training (the slowest rank's; steps past the cap too).
+        and either way, unless it leaves the race, on to the first validation after `budget_s` seconds of training
+        (the slowest rank's; past the cap too).
         seed: the batches'; with --seed-per-round also the initial model's (else seed 0's). may_leave: leave the
         race once the steady step (median of steps 1-10, the mean for local-step routes, whose averages it
         includes; the slowest rank's) is over --leave-above x the cell's best: a per-step contestant as soon as
@@ -288,7 +293,7 @@ def worker(args) -> None:
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in itertools.count():
             if step >= steps and not (budget_s and eval_every and step % eval_every):  # budget: to a validation
-                if not budget_s or slowest_sum(step_times) >= budget_s:
+                if not budget_s or trained(step_times) >= budget_s:
                     break
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
@@ -311,7 +316,7 @@ def worker(args) -> None:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
                 eval_s += time.perf_counter() - start
-                if target is not None and curve[-1][2] <= target and (not budget_s or slowest_sum(step_times) >= budget_s):
+                if target is not None and curve[-1][2] <= target and (not budget_s or trained(step_times) >= budget_s):
                     break
             sure_over = False  # over half of steps 1-10 already over the bar: the median will be, leave now
             if may_leave and not local and math.isfinite(best_steady[0]) and 1 < len(step_times) <= FIRST_STEPS:
@@ -332,9 +337,7 @@ def worker(args) -> None:
         # each step's time is the slowest rank's: ranks that step alone between averages (sync, post-local, a route's
         # local steps) drift apart within a step, the barrier before the next waits for the slowest, and the wall
         # clock with it; rank 0's own time hid that (per-step routes wait inside their collective anyway)
-        slowest = torch.tensor(step_times, dtype=torch.float64)
-        dist.all_reduce(slowest, dist.ReduceOp.MAX)
-        step_times = slowest.tolist()
+        step_times = slowest(step_times)
         ends = [0.0, *itertools.accumulate(step_times)]
         curve = [(s, ends[s], loss) for s, _, loss in curve]
         train_s = ends[-1]
@@ -704,7 +707,9 @@ def report(rows, summary, picks, meta, out: Path) -> None:
              + ("" if not meta.get("time_budget") else
                 f" Every contestant trained on past the target (and past the step cap) to at least {meta['time_budget']:g} s "
                 f"of training; val loss at {meta['time_budget']:g} s: the curve's, interpolated between the validations "
-                "around it, median over rounds (empty where a round ended sooner: it left the race).")]
+                "around it, median over rounds (empty where a round ended sooner: it left the race, or it was the ddp "
+                "run that sets a round's target at step T). Samples/s, wire MB/step and the final loss then cover the "
+                "steps after the target too, each contestant's final loss at its own end.")]
     if meta.get("targets"):
         lines += ["", f"Targets given (`--targets`, fp32 DDP's from an earlier run of this job): {meta['targets']}; "
                   f"ddp raced last. A contestant whose steady step (median of steps 1-{FIRST_STEPS}, slowest rank) was "

@@ -196,3 +196,14 @@ def test_bench_readme_lists_every_script():
     bench = Path(__file__).resolve().parents[1] / "bench"
     readme = (bench / "README.md").read_text()
     assert [p.name for p in sorted(bench.glob("*.[ps][yh]")) if f"`{p.name}`" not in readme] == []
+
+
+def test_time_to_accuracy_reads_its_curves():
+    """The target's crossing and the loss at a time budget, interpolated between validations (step, seconds, loss);
+    none where the curve never gets there."""
+    import time_to_accuracy as tta
+
+    curve = [(0, 0.0, 5.0), (10, 2.0, 3.0), (20, 4.0, 2.0)]
+    assert tta.crossing(curve, 4.0) == (5.0, 1.0) and tta.crossing(curve, 1.0) is None
+    assert tta.loss_at(curve, 1.0) == 4.0 and tta.loss_at(curve, 4.0) == 2.0 and tta.loss_at(curve, 0.5) == 4.5
+    assert tta.loss_at(curve, 4.5) is None and tta.loss_at(curve[:1], 0.5) is None and tta.loss_at([], 1.0) is None

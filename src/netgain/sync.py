@@ -466,6 +466,9 @@ class LocalRoute:
         Only once the route is priced within range: warmed at `offer`, its compile ran beside the run's first
         steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against the cell's best 0.099 s,
         time_to_accuracy_job1_1gbit_3w_a87f99f.md), even where the model then priced the route out."""
+        if self._warmed:
+            return
+        self._warmed = True
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.numel()]
         fragment = _Fragment.build(0, 0, named)
         world, rank = dist.get_world_size(self.state.process_group), dist.get_rank(self.state.process_group)
@@ -487,7 +490,6 @@ class LocalRoute:
                 return
             if not self._warmed:
                 self._warm()
-                self._warmed = True
                 if self._compiling():  # the trial once every rank's kernels are ready
                     return
             self._enter("trial")
@@ -531,7 +533,9 @@ class LocalRoute:
         return (planner.compute_s() + link_s / self.config.period) * self.steps
 
     def _enter(self, phase: str) -> None:
-        """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
+        """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
+        the trial or local steps warms the route's kernels here (no collective): compiled kernels are the process's."""
+        self._warm()
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group)
         self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
         self.phase, self._times, self._waits = phase, [], []
