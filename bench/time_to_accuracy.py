@@ -260,9 +260,10 @@ def worker(args) -> None:
         dist.all_reduce(times, dist.ReduceOp.MAX)
         return times.tolist()
 
-    def trained(step_times: list[float]) -> float:
-        """The seconds trained so far, the slowest rank's, summed as the curve's times are (a collective)."""
-        return [0.0, *itertools.accumulate(slowest(step_times))][-1]
+    def budget_spent(step_times: list[float], budget_s: float) -> bool:
+        """No budget, or the seconds trained so far (the slowest rank's, summed as the curve's times are) reach it:
+        a collective where there is one, so every rank calls it at the same steps."""
+        return not budget_s or [0.0, *itertools.accumulate(slowest(step_times))][-1] >= budget_s
 
     def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0,
               may_leave: bool = False, budget_s: float = 0.0) -> dict:
@@ -292,9 +293,9 @@ def worker(args) -> None:
         norms, plans = [], []  # the norm of the gradient each step applied (untimed), a planner's plan by step
         curve = [(0, 0.0, validate(model))] if eval_every else []  # (step, train seconds, validation loss)
         for step in itertools.count():
-            if step >= steps and not (budget_s and eval_every and step % eval_every):  # budget: to a validation
-                if not budget_s or trained(step_times) >= budget_s:
-                    break
+            at_validation = not eval_every or step % eval_every == 0  # past the cap, a budget ends at a validation
+            if step >= steps and (not budget_s or at_validation) and budget_spent(step_times, budget_s):
+                break
             ids = corpus.train_batch(seed, step, rank, world, args.batch_size, args.seq_len)
             dist.barrier()
             start = time.perf_counter()
@@ -316,7 +317,7 @@ def worker(args) -> None:
                 start = time.perf_counter()
                 curve.append((step + 1, train_s, validate(model)))
                 eval_s += time.perf_counter() - start
-                if target is not None and curve[-1][2] <= target and (not budget_s or trained(step_times) >= budget_s):
+                if target is not None and curve[-1][2] <= target and budget_spent(step_times, budget_s):
                     break
             sure_over = False  # over half of steps 1-10 already over the bar: the median will be, leave now
             if may_leave and not local and math.isfinite(best_steady[0]) and 1 < len(step_times) <= FIRST_STEPS:

@@ -464,7 +464,7 @@ class LocalRoute:
         compile in the background while the per-step plan serves; the trial waits for them (on the lab at
         1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm).
         Only once the route is priced within range: warmed at `offer`, its compile ran beside the run's first
-        steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against the cell's best 0.099 s,
+        steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against auto alone's 0.099 s in the same round,
         time_to_accuracy_job1_1gbit_3w_a87f99f.md), even where the model then priced the route out."""
         if self._warmed:
             return

@@ -54,8 +54,8 @@ TRIAL_RANGE below every plan that measures the link at volume (`_measuring`). au
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
 sustain for large ones; before any rate is measured it plans with the fastest rate a collective achieved (a
-lower bound, BandwidthMonitor.floor), and it scales the plans not yet measured by how far recent steps
-overran the model (`overrun`). It re-plans when its errors are measured (replan_every), when the link's rate
+lower bound, BandwidthMonitor.floor), and it scales the plans not yet measured by how far the running plan's
+steps overran the model (`overrun`). It re-plans when its errors are measured (replan_every), when the link's rate
 moves by more than replan_threshold, and when a plan it tries has its measured price.
 """
 
