@@ -69,7 +69,7 @@ def chosen(rank, world_size):
                                    ("compiling", float("inf"), 0.0)):
         model, optimizer, route = _routed(0, price, predicted)
         if case == "compiling":
-            answers = iter([False, True])
+            answers = iter([True])
             route._compiling = lambda: next(answers, False)
         try:
             steps = _steps(model, optimizer, route, rank, 0, 1 + TRIAL + 6)
@@ -102,6 +102,32 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert local["warmed"] and per_step["warmed"] and not untried["warmed"]
         waited = value["compiling"]["phases"]
         assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
+
+
+def early(rank, world_size):
+    """The per-step plan not settled, the route priced below its cheapest price (best_price): a trial at once. Where
+    the route wins it (cheapest priced infinite), local steps; where it loses (priced near zero), per-step steps until
+    the plan is settled (by hand, from the step after the trial), then its price against the trial's, no second trial."""
+    out = {}
+    for case, best, settled in (("local", float("inf"), None), ("lost, then local", 1e-9, float("inf")),
+                                ("lost, then per-step", 1e-9, 1e-9)):
+        model, optimizer, route = _routed(0, None)
+        route.state.planner.best_price = lambda volume: best
+        route.state.planner.settled_price = lambda: settled if route._measured else None
+        try:
+            steps = _steps(model, optimizer, route, rank, 0, TRIAL + 4)
+        finally:
+            route.close()
+        out[case] = [phase for phase, _, _ in steps]
+    return out
+
+
+def test_a_route_priced_below_every_per_step_plan_runs_its_trial_before_they_settle():
+    for status, value in run(early, 2):
+        assert status == "ok", value
+        assert value["local"] == ["trial"] * TRIAL + ["local"] * 4, value
+        assert value["lost, then local"] == ["trial"] * TRIAL + ["per-step"] + ["local"] * 3, value
+        assert value["lost, then per-step"] == ["trial"] * TRIAL + ["per-step"] + ["per-step-chosen"] * 3, value
 
 
 def resumed(rank, world_size, path):

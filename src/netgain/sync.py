@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
+from .comm.bandwidth import WIRE_FACTOR
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
@@ -429,14 +430,16 @@ class LocalRoute:
     """auto's route of local steps beside its per-step plans: build it with `offer`.
 
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
-    it (`_predicted`), every rank takes ROUTE_TRIAL_SYNCS periods of local steps
+    it (`_predicted`), or before that where the model prices it below every per-step plan (`_choose`), every rank
+    takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient, and a SyncOptimizer
     averages the parameters every period, in summable codes; its codec's kernels compiled ahead once the route is
     priced within range, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
-    optimizer's states). The choice is made once.
+    optimizer's states). The choice is made once, but for an early trial that lost: its price then meets the
+    settled plan's.
 
     ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
     averages' statistics). `state_dict()` / `load_state_dict()` checkpoint the hook's state with the route's:
@@ -457,6 +460,8 @@ class LocalRoute:
         self._local_step: dict | None = None
         self._raw_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._warmed = False
+        self._early = False     # the trial began before the per-step plan was settled (`_choose`)
+        self._measured = False  # and lost against the model's price: its measured price waits for the settled plan's
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def _warm(self) -> None:
@@ -480,19 +485,8 @@ class LocalRoute:
         # the step just taken: the hook ran unless it was local (DDP's reducer is off exactly while sync is set)
         self._trying, self._local_step = self.phase == "trial", None
         if self.sync is None:
-            price = self.state.planner.settled_price() if self.phase == "per-step" else None
-            if price is None or self._compiling():
-                return
-            self.price, self.route_price = price, self._predicted()
-            if self.route_price > TRIAL_RANGE * price:
-                # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
-                self.phase = "per-step-chosen"
-                return
-            if not self._warmed:
-                self._warm()
-                if self._compiling():  # the trial once every rank's kernels are ready
-                    return
-            self._enter("trial")
+            if self.phase == "per-step":
+                self._choose()
             return
         self.sync.after_inner_step()
         self._local_step = self.sync.last_step
@@ -515,6 +509,42 @@ class LocalRoute:
                 self.phase = "local"
             else:
                 self._leave()
+                self.phase, self._measured = ("per-step", True) if self._early else ("per-step-chosen", False)
+
+    def _choose(self) -> None:
+        """Per-step, on agreed prices: a trial of the route, local steps, or the per-step plan for good.
+
+        Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
+        measured price. Before, a trial at once where the model prices the route below every per-step plan (the
+        cheapest, measured or the model's, with the link measured at the route's volume): on the lab's second job
+        at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
+        took 0.3-0.4 s against the route's 0.2 (time_to_accuracy_job2_1gbit_3w_397296c.md). Such a trial keeps the
+        route where its measured price beats that cheapest price, which the model may have underpriced: else the
+        per-step plans run until settled, and the route's measured price meets the settled plan's then."""
+        settled = self.state.planner.settled_price()
+        if self._measured:
+            if settled is not None:
+                self.price, self._measured = settled, False
+                if self.route_price < settled:
+                    self._enter("local")
+                else:
+                    self.phase = "per-step-chosen"
+            return
+        price = settled if settled is not None else self.state.planner.best_price(self._wire_bytes())
+        if price is None:
+            return
+        predicted = self._predicted()
+        if settled is None and predicted >= price:
+            return
+        if predicted > TRIAL_RANGE * price:
+            # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
+            self.price, self.route_price, self.phase = price, predicted, "per-step-chosen"
+            return
+        self._warm()
+        if self._compiling():  # the trial once every rank's kernels are ready
+            return
+        self.price, self.route_price, self._early = price, predicted, settled is None
+        self._enter("trial")
 
     def _compiling(self) -> bool:
         """Whether a kernel compiles on any rank (the warm-up's): agreed, so every rank enters the trial together."""
@@ -526,11 +556,20 @@ class LocalRoute:
         """The model's price of the route, as auto prices a plan it has not run: the step's other time plus one
         period's average on the monitor's fit of the link, per step, times the route's steps to the target.
         Agreed: the same on every rank."""
-        planner, world_size = self.state.planner, dist.get_world_size(self.state.process_group)
+        link_s = self.state.planner.monitor.predict_s("allreduce", self._payload(), self._world_size())
+        return (self.state.planner.compute_s() + link_s / self.config.period) * self.steps
+
+    def _payload(self) -> float:
+        """The bytes of one average's payload."""
         numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        payload = numel * self.config.comm_config().codec.build().wire_bits(world_size) / 8
-        link_s = planner.monitor.predict_s("allreduce", payload, world_size)
-        return (planner.compute_s() + link_s / self.config.period) * self.steps
+        return numel * self.config.comm_config().codec.build().wire_bits(self._world_size()) / 8
+
+    def _wire_bytes(self) -> float:
+        """The wire bytes of one average, as the link's monitor counts a collective's."""
+        return WIRE_FACTOR["allreduce"](self._world_size()) * self._payload()
+
+    def _world_size(self) -> int:
+        return dist.get_world_size(self.state.process_group)
 
     def _enter(self, phase: str) -> None:
         """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
@@ -582,7 +621,8 @@ class LocalRoute:
         """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
         optimizer state): collective, call it on every rank between steps."""
         return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
-                "route_price": self.route_price, "times": list(self._times), "waits": list(self._waits),
+                "route_price": self.route_price, "early": self._early, "measured": self._measured,
+                "times": list(self._times), "waits": list(self._waits),
                 "sync": self.sync.state_dict() if self.sync is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -600,6 +640,7 @@ class LocalRoute:
             self._enter(saved["phase"])
             self.sync.load_state_dict(saved["sync"])
         self.phase, self.price, self.route_price = saved["phase"], saved["price"], saved.get("route_price")
+        self._early, self._measured = bool(saved.get("early", False)), bool(saved.get("measured", False))
         self._times, self._waits = [float(t) for t in saved["times"]], [float(t) for t in saved.get("waits", [])]
 
 

@@ -458,6 +458,14 @@ class AdaptivePlanner:
             return None
         return self._running_price()
 
+    def best_price(self, volume: float) -> float | None:
+        """auto, settled or not: the cheapest candidate's price when the plan was chosen (measured, or the model's),
+        once the step's other time is measured and the link's rate at collectives of ``volume`` wire bytes at least
+        (a smaller message's rate may be a shaper's burst); else None. Agreed: the same on every rank."""
+        if self.mode != "auto" or self._best_price is None or not self._compute or self.monitor.volume < volume:
+            return None
+        return self._best_price
+
     def _running_price(self) -> float:
         """The running plan's measured step x its steps to the target (as a multiple of fp32's)."""
         return self._periods[self._plan_key] * self._steps([option for *_, option in self._plan_key])

@@ -180,9 +180,10 @@ def plot_adaptive(history: dict, path: Path, title: str) -> None:
     mbit = [b * 8e-6 if b else float("nan") for b in history["bandwidth_Bps"]]
     axes[0].plot(steps, mbit)
     axes[0].set(ylabel="bandwidth\nestimate (Mbit/s)", title=title)
-    buckets = sorted({int(i) for plan in history["plan"] if plan for i in plan})
+    plans = [plan if isinstance(plan, dict) else {} for plan in history["plan"]]  # "local": the route's local steps
+    buckets = sorted({int(i) for plan in plans for i in plan})
     for index in buckets:
-        bits = [_plan_bits((plan or {}).get(index, (plan or {}).get(str(index)))) for plan in history["plan"]]
+        bits = [_plan_bits(plan.get(index, plan.get(str(index)))) for plan in plans]
         axes[1].step(steps, bits, where="post", label=f"bucket {index}")
     axes[1].set(ylabel="bits per element\nchosen")
     axes[1].legend(fontsize=7)
