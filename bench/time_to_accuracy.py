@@ -329,7 +329,7 @@ def worker(args) -> None:
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
-                if not local:  # its steps skip the link: no yardstick for per-step routes
+                if not local and (spec is None or spec[0] != "route"):  # its steps (the route's, once local) skip the link: no yardstick
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
@@ -714,7 +714,8 @@ def report(rows, summary, picks, meta, out: Path) -> None:
     if meta.get("targets"):
         lines += ["", f"Targets given (`--targets`, fp32 DDP's from an earlier run of this job): {meta['targets']}; "
                   f"ddp raced last. A contestant whose steady step (median of steps 1-{FIRST_STEPS}, slowest rank) was "
-                  f"over {meta['leave_above']:g}x the cell's best so far left the race; its time to target is 'not reached'."]
+                  f"over {meta['leave_above']:g}x the cell's best so far (of per-step routes: local steps skip the link) "
+                  f"left the race; its time to target is 'not reached'."]
     for (rate, workers), chosen in picks.items():
         mine = [s for s in summary if (s["rate"], s["workers"]) == (rate, workers)]
         if not mine:
