@@ -271,8 +271,8 @@ def worker(args) -> None:
         and either way, unless it leaves the race, on to the first validation after `budget_s` seconds of training
         (the slowest rank's; past the cap too).
         seed: the batches'; with --seed-per-round also the initial model's (else seed 0's). may_leave: leave the
-        race once the steady step (median of steps 1-10, the mean for local-step routes, whose averages it
-        includes; the slowest rank's) is over --leave-above x the cell's best: a per-step contestant as soon as
+        race once the steady step (median of steps 1-10, the mean for local-step routes and a route local by then,
+        whose averages it includes; the slowest rank's) is over --leave-above x the cell's best: a per-step contestant as soon as
         over half of those steps are (fp32 DDP at 10 Mbit/s takes half a minute a step)."""
         kernel.wait_for_compiles()  # untimed: a compile an earlier contestant left in flight would slow this one
         torch.manual_seed(seed if args.seed_per_round else 0)
@@ -325,11 +325,13 @@ def worker(args) -> None:
                 dist.all_reduce(over, dist.ReduceOp.MAX)  # one rank's median over the bar puts the slowest's over
                 sure_over = over.item() > FIRST_STEPS // 2
             if len(step_times) == FIRST_STEPS + 1 or sure_over:  # a local-step route's steady step has an average
-                steady = torch.tensor((statistics.mean if local else statistics.median)(step_times[1:]))
+                # auto's route, local (or on trial) by now, counts as a local-step route (plans: its phases so far)
+                stepped_alone = local or any(plan == "local" for _, plan, _ in plans)
+                steady = torch.tensor((statistics.mean if stepped_alone else statistics.median)(step_times[1:]))
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
-                if not local and (spec is None or spec[0] != "route"):  # its steps (the route's, once local) skip the link: no yardstick
+                if not stepped_alone:  # its steps skip the link: no yardstick for per-step routes
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break

@@ -946,3 +946,16 @@ def test_a_new_plan_runs_a_trial_only_where_the_model_prices_it_beyond_a_tie_wit
     planner._plan_key, planner.trying = ((0, 1_000_000, fp16),), False
     planner._solve(2)
     assert planner.plan[0][1].describe() == "fp16" and not planner.trying
+
+
+def test_best_price_needs_the_link_measured_at_the_routes_volume_or_at_the_largest_bucket_in_16_bits():
+    """auto's cheapest price for the route's early trial (netgain.sync.LocalRoute): none before a plan priced with the
+    step's other time and the link measured; then only where the link was measured at the asked volume, or at the
+    largest bucket's in 16 bits (no plan that measures the link sends more)."""
+    planner = AdaptivePlanner("auto")
+    assert planner.best_price(1e6) is None
+    planner._cheapest = [0.5, 2e6, 8e6]  # the price, the link's volume when it was priced, 16 bits' largest bucket
+    assert planner.best_price(1e6) == 0.5 and planner.best_price(2e6) == 0.5 and planner.best_price(4e6) is None
+    planner._cheapest = [0.5, 8e6, 8e6]
+    assert planner.best_price(1e9) == 0.5
+    assert AdaptivePlanner("kimad+").best_price(0.0) is None

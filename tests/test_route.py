@@ -63,7 +63,7 @@ def _gathered(params):
 def chosen(rank, world_size):
     """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), with the route
     predicted beyond TRIAL_RANGE of it (no trial), and local winning while the route's kernels take one step to
-    compile (reported by a stand-in for `_compiling`: the first check clear, the one after the warm-up not)."""
+    compile (reported by a stand-in for `_compiling`: its first check, after the warm-up, not clear)."""
     out = {}
     for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0),
                                    ("compiling", float("inf"), 0.0)):
@@ -107,27 +107,40 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
 def early(rank, world_size):
     """The per-step plan not settled, the route priced below its cheapest price (best_price): a trial at once. Where
     the route wins it (cheapest priced infinite), local steps; where it loses (priced near zero), per-step steps until
-    the plan is settled (by hand, from the step after the trial), then its price against the trial's, no second trial."""
+    the plan is settled (by hand, 3 steps after the trial), then its price against the trial's, no second trial. The
+    route priced no cheaper, or no cheapest price yet (the link not measured at volume): no trial."""
     out = {}
     for case, best, settled in (("local", float("inf"), None), ("lost, then local", 1e-9, float("inf")),
-                                ("lost, then per-step", 1e-9, 1e-9)):
+                                ("lost, then per-step", 1e-9, 1e-9), ("no cheaper", 0.0, None), ("unmeasured", None, None)):
         model, optimizer, route = _routed(0, None)
-        route.state.planner.best_price = lambda volume: best
-        route.state.planner.settled_price = lambda: settled if route._measured else None
+        asked = []
+
+        def settled_price(route=route, asked=asked, settled=settled):
+            asked.append(route._measured)
+            return settled if sum(asked) >= 3 else None
+
+        route.state.planner.best_price = lambda volume, best=best: best
+        route.state.planner.settled_price = settled_price
         try:
-            steps = _steps(model, optimizer, route, rank, 0, TRIAL + 4)
+            steps = _steps(model, optimizer, route, rank, 0, TRIAL + 6)
         finally:
             route.close()
-        out[case] = [phase for phase, _, _ in steps]
+        out[case] = {"phases": [phase for phase, _, _ in steps], "sent": [sent for _, sent, _ in steps],
+                     "equal": [_gathered(params) for _, _, params in steps]}
     return out
 
 
 def test_a_route_priced_below_every_per_step_plan_runs_its_trial_before_they_settle():
+    lost = ["trial"] * TRIAL + ["per-step"] * 3  # the trial's last step left it; settled at the third step after
     for status, value in run(early, 2):
         assert status == "ok", value
-        assert value["local"] == ["trial"] * TRIAL + ["local"] * 4, value
-        assert value["lost, then local"] == ["trial"] * TRIAL + ["per-step"] + ["local"] * 3, value
-        assert value["lost, then per-step"] == ["trial"] * TRIAL + ["per-step"] + ["per-step-chosen"] * 3, value
+        assert value["local"]["phases"] == ["trial"] * TRIAL + ["local"] * 6, value
+        assert value["lost, then local"]["phases"] == lost + ["local"] * 3, value
+        assert value["lost, then per-step"]["phases"] == lost + ["per-step-chosen"] * 3, value
+        for case in ("lost, then local", "lost, then per-step"):  # per-step again: the hook sends, replicas equal
+            assert all(value[case]["sent"][TRIAL + 1:TRIAL + 4]) and all(value[case]["equal"][TRIAL:TRIAL + 4]), value
+        for case in ("no cheaper", "unmeasured"):
+            assert value[case]["phases"] == ["per-step"] * (TRIAL + 6) and all(value[case]["sent"]), value
 
 
 def resumed(rank, world_size, path):

@@ -451,7 +451,8 @@ class LocalRoute:
         self.state, self.ddp, self.optimizer, self.config, self.steps = state, ddp_model, optimizer, config, steps
         self.model = ddp_model.module
         self.phase, self.sync = "per-step", None
-        self.price: float | None = None  # the per-step plan's price when the trial began
+        self.price: float | None = None  # the per-step price the route's was compared with (for an early trial the
+        # cheapest per-step plan's when it began; once it lost, the settled plan's)
         self.route_price: float | None = None  # the route's, measured on trial (or the model's, where it ran none)
         self._times: list[float] = []    # the trial's steps: seconds less the wait for averages, this rank's
         self._waits: list[float] = []    # and the seconds each waited for averages
@@ -459,9 +460,12 @@ class LocalRoute:
         self._trying = False  # of the last step (last_step); and its SyncOptimizer.last_step if it was local, else None
         self._local_step: dict | None = None
         self._raw_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self._world_size = dist.get_world_size(state.process_group)
+        numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self._payload = numel * config.comm_config().codec.build().wire_bits(self._world_size) / 8  # one average's bytes
         self._warmed = False
         self._early = False     # the trial began before the per-step plan was settled (`_choose`)
-        self._measured = False  # and lost against the model's price: its measured price waits for the settled plan's
+        self._measured = False  # and lost: its measured price waits for the settled plan's
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def _warm(self) -> None:
@@ -476,9 +480,9 @@ class LocalRoute:
         self._warmed = True
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.numel()]
         fragment = _Fragment.build(0, 0, named)
-        world, rank = dist.get_world_size(self.state.process_group), dist.get_rank(self.state.process_group)
         warm(self.config.comm_config().codec.build(), fragment.global_,
-             Context.for_step(world, fragment.layout.segments, 0, 0, rank, layout=fragment.layout))
+             Context.for_step(self._world_size, fragment.layout.segments, 0, 0, dist.get_rank(self.state.process_group),
+                              layout=fragment.layout))
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
@@ -509,18 +513,22 @@ class LocalRoute:
                 self.phase = "local"
             else:
                 self._leave()
-                self.phase, self._measured = ("per-step", True) if self._early else ("per-step-chosen", False)
+                if self._early:
+                    self.phase, self._measured = "per-step", True
 
     def _choose(self) -> None:
         """Per-step, on agreed prices: a trial of the route, local steps, or the per-step plan for good.
 
         Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
         measured price. Before, a trial at once where the model prices the route below every per-step plan (the
-        cheapest, measured or the model's, with the link measured at the route's volume): on the lab's second job
+        cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
+        largest bucket in 16 bits: AdaptivePlanner.best_price); its kernels then compile beside those first steps.
+        On the lab's second job
         at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
         took 0.3-0.4 s against the route's 0.2 (time_to_accuracy_job2_1gbit_3w_397296c.md). Such a trial keeps the
-        route where its measured price beats that cheapest price, which the model may have underpriced: else the
-        per-step plans run until settled, and the route's measured price meets the settled plan's then."""
+        route for good where its measured price beats that cheapest price (the model tends to underprice per-step
+        plans: their overlap, their codecs under contention); else the per-step plans run until settled, and the
+        route's measured price meets the settled plan's then, with no second trial."""
         settled = self.state.planner.settled_price()
         if self._measured:
             if settled is not None:
@@ -530,7 +538,8 @@ class LocalRoute:
                 else:
                     self.phase = "per-step-chosen"
             return
-        price = settled if settled is not None else self.state.planner.best_price(self._wire_bytes())
+        volume = WIRE_FACTOR["allreduce"](self._world_size) * self._payload  # one average's wire bytes
+        price = settled if settled is not None else self.state.planner.best_price(volume)
         if price is None:
             return
         predicted = self._predicted()
@@ -556,20 +565,8 @@ class LocalRoute:
         """The model's price of the route, as auto prices a plan it has not run: the step's other time plus one
         period's average on the monitor's fit of the link, per step, times the route's steps to the target.
         Agreed: the same on every rank."""
-        link_s = self.state.planner.monitor.predict_s("allreduce", self._payload(), self._world_size())
+        link_s = self.state.planner.monitor.predict_s("allreduce", self._payload, self._world_size)
         return (self.state.planner.compute_s() + link_s / self.config.period) * self.steps
-
-    def _payload(self) -> float:
-        """The bytes of one average's payload."""
-        numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return numel * self.config.comm_config().codec.build().wire_bits(self._world_size()) / 8
-
-    def _wire_bytes(self) -> float:
-        """The wire bytes of one average, as the link's monitor counts a collective's."""
-        return WIRE_FACTOR["allreduce"](self._world_size()) * self._payload()
-
-    def _world_size(self) -> int:
-        return dist.get_world_size(self.state.process_group)
 
     def _enter(self, phase: str) -> None:
         """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
@@ -629,7 +626,8 @@ class LocalRoute:
         """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
         if not (isinstance(saved, dict) and saved.get("format") == ROUTE_FORMAT
                 and saved.get("phase") in ("per-step", "trial", "local", "per-step-chosen")
-                and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))):
+                and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))
+                and not (saved.get("measured") and saved["phase"] != "per-step")):
             raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
         self.state.load_state_dict(saved["comm"])
         if self.sync is not None:
