@@ -959,3 +959,13 @@ def test_best_price_needs_the_link_measured_at_the_routes_volume_or_at_the_large
     planner._cheapest = [0.5, 8e6, 8e6]
     assert planner.best_price(1e9) == 0.5
     assert AdaptivePlanner("kimad+").best_price(0.0) is None
+
+
+def test_plan_ahead_prices_autos_plan_on_a_link_given_not_measured():
+    """`netgain model`'s forecast of auto (plan_ahead): the planner's own solve on a modelled link, which counts as
+    measured at any volume."""
+    from netgain.cost import network
+
+    link = network.Link("test-100mbit", bandwidth=100e6 / 8, latency=1e-4)
+    ahead = AdaptivePlanner("auto").plan_ahead([1 << 20, 1 << 16], None, 4, link, compute_s=0.1, cost="free")
+    assert len(ahead["plan"]) == 2 and ahead["step_s"] > 0.1 and ahead["steps"] >= 1.0

@@ -770,6 +770,7 @@ class ModelledLink:
     def __init__(self, link: network.Link):
         self.link, self.bandwidth, self.overhead_s = link, link.bandwidth, 0.0
         self.agreed = [link.bandwidth]  # given, so as good as measured
+        self.volume = math.inf          # at any volume
 
     def predict_s(self, collective: str, payload_bytes: float, world_size: int) -> float:
         if collective == "allgather":
