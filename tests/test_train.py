@@ -85,6 +85,8 @@ def test_versus_fp32_without_a_link_or_a_peer_says_why():
         "step 0.2 s measured; fp32 not predicted (PyTorch's hooks time no collective: no link to fit)"]
     assert versus_fp32(ddp, hop_size=1, fsdp=False) == [
         "no communication (1 worker): nothing for a codec to compress, fp32 included"]
+    local = {**ddp, "wire_bytes_per_step": 0}  # the route's local steps, no average applied in them
+    assert versus_fp32(local, hop_size=2, fsdp=False)[0] == "wire 0 MB/step vs 4 MB fp32: none sent"
 
 
 def test_a_diverged_loss_ends_the_run_in_one_line(tmp_path, capsys):

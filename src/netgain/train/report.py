@@ -128,7 +128,8 @@ def versus_fp32(summary: dict, hop_size: int, fsdp: bool, sync: bool = False) ->
         return [f"no communication ({'1 replica' if fsdp else '1 worker'}): nothing for a codec to compress, "
                 "fp32 included"]
     wire, fp32 = summary["wire_bytes_per_step"], summary["fp32_bytes_per_step"]
-    saved = f"{fp32 / wire:.1f}x fewer" if wire < fp32 else "no fewer"
+    # nothing sent: every step local (the route's, on trial or chosen) with no average applied
+    saved = "none sent" if not wire else f"{fp32 / wire:.1f}x fewer" if wire < fp32 else "no fewer"
     emulated = summary.get("emulated_link")
     on = f" on emulated {emulated}" if emulated else ""
     step = f"step {summary['step_s']:.3g} s measured{on}"
