@@ -263,7 +263,7 @@ def worker(args) -> None:
     def budget_spent(step_times: list[float], budget_s: float) -> bool:
         """No budget, or the seconds trained so far (the slowest rank's, summed as the curve's times are) reach it:
         a collective where there is one, so every rank calls it at the same steps."""
-        return not budget_s or [0.0, *itertools.accumulate(slowest(step_times))][-1] >= budget_s
+        return not budget_s or sum(slowest(step_times)) >= budget_s
 
     def train(label: str, steps: int, seed: int, target: float | None = None, eval_every: int = 0,
               may_leave: bool = False, budget_s: float = 0.0) -> dict:

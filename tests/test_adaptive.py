@@ -950,15 +950,16 @@ def test_a_new_plan_runs_a_trial_only_where_the_model_prices_it_beyond_a_tie_wit
 
 def test_best_price_needs_the_link_measured_at_the_routes_volume_or_at_the_largest_bucket_in_16_bits():
     """auto's cheapest price for the route's early trial (netgain.sync.LocalRoute): none before a plan priced with the
-    step's other time and the link measured; then only where the link was measured at the asked volume, or at the
-    largest bucket's in 16 bits (no plan that measures the link sends more)."""
+    step's other time and the link measured; then only where the link was measured at the asked allreduce's wire
+    bytes, or at the largest bucket's in 16 bits (no plan that measures the link sends more)."""
     planner = AdaptivePlanner("auto")
-    assert planner.best_price(1e6) is None
-    planner._cheapest = [0.5, 2e6, 8e6]  # the price, the link's volume when it was priced, 16 bits' largest bucket
-    assert planner.best_price(1e6) == 0.5 and planner.best_price(2e6) == 0.5 and planner.best_price(4e6) is None
-    planner._cheapest = [0.5, 8e6, 8e6]
-    assert planner.best_price(1e9) == 0.5
-    assert AdaptivePlanner("kimad+").best_price(0.0) is None
+    assert planner.best_price(1e6, 2) is None
+    planner._numels = {0: 2e6, 1: 1e3}  # 2 workers: an allreduce's wire bytes = its payload; 16 bits' largest 4e6
+    planner._cheapest = [0.5, 2e6]  # the price, the link's volume (wire bytes) when it was priced
+    assert planner.best_price(1e6, 2) == 0.5 and planner.best_price(2e6, 2) == 0.5 and planner.best_price(4e6, 2) is None
+    planner._cheapest = [0.5, 4e6]
+    assert planner.best_price(1e9, 2) == 0.5
+    assert AdaptivePlanner("kimad+").best_price(0.0, 2) is None
 
 
 def test_plan_ahead_prices_autos_plan_on_a_link_given_not_measured():

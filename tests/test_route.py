@@ -119,7 +119,7 @@ def early(rank, world_size):
             asked.append(route._measured)
             return settled if sum(asked) >= 3 else None
 
-        route.state.planner.best_price = lambda volume, best=best: best
+        route.state.planner.best_price = lambda payload_bytes, world_size, best=best: best
         route.state.planner.settled_price = settled_price
         try:
             steps = _steps(model, optimizer, route, rank, 0, TRIAL + 6)

@@ -180,8 +180,7 @@ class AdaptivePlanner:
         self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
         self.trying = False                               # auto: the plan running now is tried for its price
         self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
-        self._cheapest_price: float | None = None         # auto: and the cheapest's, a cold one's included
-        self._cheapest: list[float] | None = None         # auto: [that price, the link's volume then, 16-bit's largest] (best_price)
+        self._cheapest: list[float] | None = None         # auto: [the cheapest's price, a cold one's too; the link's volume then]
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
         self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
         self._warmed: set[tuple[int, int]] = set()        # auto: (bucket, option) that ran: its kernels compiled or compiling
@@ -461,15 +460,16 @@ class AdaptivePlanner:
             return None
         return self._running_price()
 
-    def best_price(self, volume: float) -> float | None:
+    def best_price(self, payload_bytes: float, world_size: int) -> float | None:
         """auto, settled or not: the cheapest candidate's price when the plan was chosen (measured, or the model's; a
         cold one's included), where by then the step's other time was measured and the link's rate fitted on
-        collectives of ``volume`` wire bytes, or of the largest bucket in 16 bits (a plan measuring the link sends no
+        allreduces of ``payload_bytes``, or of the largest bucket in 16 bits (a plan measuring the link sends no
         more), at least: a smaller message's rate may be a shaper's burst. Else None. Agreed: the same on every rank."""
         if self.mode != "auto" or self._cheapest is None:
             return None
-        price, measured_at, largest = self._cheapest
-        return price if measured_at >= min(volume, largest) else None
+        price, measured_at = self._cheapest
+        largest = 2 * max(self._numels.values(), default=0)
+        return price if measured_at >= WIRE_FACTOR["allreduce"](world_size) * min(payload_bytes, largest) else None
 
     def _running_price(self) -> float:
         """The running plan's measured step x its steps to the target (as a multiple of fp32's)."""
@@ -528,10 +528,6 @@ class AdaptivePlanner:
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
         wanted, self.fits = self._choose(indices, times, errors, safe)  # fits: some safe plan fits, reachable now or not
-        if self.mode == "auto":
-            largest = WIRE_FACTOR["allreduce"](world_size) * 2 * max((self._numels[i] for i in indices), default=0)
-            self._cheapest = ([self._cheapest_price, self.monitor.volume, largest]
-                              if self._compute and self.monitor.agreed else None)
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
         choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
         # held below the plan the estimate asks for: re-plan at the next step, one rung up
@@ -586,7 +582,8 @@ class AdaptivePlanner:
         cold = self._candidates(indices, times, errors, safe) if self._compute else {}
         gaining = [c for key, c in cold.items() if key not in ready and c[0] * (1 + WARM_GAIN) < best[0]]
         self.warm = self._warming = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
-        self._cheapest_price = min([best[0], *(c[0] for c in gaining)])
+        self._cheapest = ([min([best[0], *(c[0] for c in gaining)]), self.monitor.volume]
+                          if self._compute and self.monitor.agreed else None)
         self._awaiting = bool(self.warm)
         untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
         # a lone candidate not yet measured is tried too: a trial priced out ends early, and the re-plan then scales
