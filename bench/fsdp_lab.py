@@ -16,7 +16,9 @@ latter with MixedPrecisionPolicy(reduce_dtype=bfloat16), so its reduce-scatter a
 all-reduce run in bf16. The others shard over mesh["shard"] and send the cross-node all-reduce
 through netgain.comm.fsdp.register with the codec of bench/time_to_accuracy.py's contestant of the
 same name; one that `register` refuses (a codec a given netgain version does not run under FSDP) is skipped
-with a note.
+with a note. The sync-* contestants (netgain.sync, DiLoCo across the nodes) shard over mesh["shard"]
+too, with no cross-node all-reduce in the step: each node steps alone, and netgain.sync averages each
+rank's local shards with the other node's every `period` steps over mesh["replicate"].
 
 The race is bench/time_to_accuracy.py's with --seed-per-round: round r trains from seed + r (initial
 model and batches); native-fp32 runs first for T (`--target-step`) steps, and its validation loss
@@ -58,7 +60,7 @@ from hook_lab import add_ratios, format_ratio, per_contestant  # noqa: E402
 NODES, PER_NODE = 2, 2
 BASELINE = "native-fp32"  # sets each round's target
 # label -> ("native", FSDP's reduce dtype) or time_to_accuracy's ("netgain", codec, options)
-NETGAIN = {label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] == "netgain"}
+NETGAIN = {label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] in ("netgain", "sync")}
 # <label>-held: the same codec with register(..., overlap=False), every group's average holding the backward
 HELD = ("gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto")
 CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloat16"), **NETGAIN,
@@ -83,6 +85,7 @@ def worker(args) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import netgain.comm.fsdp as fsdp
+    import netgain.sync
     from netgain import data, models
 
     torch.set_num_threads(1)  # 4 workers on this machine's cores
@@ -93,7 +96,7 @@ def worker(args) -> None:
     validation = corpus.validation_batches(args.eval_batches, args.eval_batch_size, args.seq_len)[rank::world]
 
     def build(label: str, seed: int):
-        """The round's initial model, sharded as the contestant runs HSDP; (model, netgain's state or None)."""
+        """The round's initial model, sharded as the contestant runs HSDP; (model, netgain.comm.fsdp's state or None)."""
         torch.manual_seed(seed)
         model = models.byte_llama(args.hidden, args.layers, args.seq_len)
         spec = CONTESTANTS[label]
@@ -103,7 +106,7 @@ def worker(args) -> None:
         for layer in model.model.layers:
             fully_shard(layer, **shard)
         fully_shard(model, **shard)
-        if native:
+        if spec[0] != "netgain":
             return model, None
         try:
             return model, fsdp.register(model, mesh, spec[1], **spec[2])
@@ -134,9 +137,13 @@ def worker(args) -> None:
                     spans.append((index, start, time.perf_counter()))
             state.reduce = timed
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        local = CONTESTANTS[label][0] == "sync"  # its outer steps sync the nodes: it steps the optimizer
+        outer = (netgain.sync.wrap(model, optimizer, process_group=mesh[fsdp.REPLICATE].get_group(), **CONTESTANTS[label][1])
+                 if local else None)
+        synced = 0
         # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
-        native_wire = None if state is not None else (getattr(torch, CONTESTANTS[label][1]).itemsize
-                                                      * sum(p.to_local().numel() for p in model.parameters()))
+        native_wire = None if state is not None or local else (getattr(torch, CONTESTANTS[label][1]).itemsize
+                                                               * sum(p.to_local().numel() for p in model.parameters()))
         train_s, eval_s, wire, held, plans, step_times, steady, left = 0.0, 0.0, [], [], [], [], None, False
         curve = [(0, 0.0, validate(model))] if evaluate else []  # (step, train seconds, validation loss)
         for step in range(steps):
@@ -148,13 +155,17 @@ def worker(args) -> None:
             forward_end = time.perf_counter()
             loss.backward()
             backward_end = time.perf_counter()
-            optimizer.step()
+            (outer or optimizer).step()
             step_times.append(time.perf_counter() - start)
             if step in traced and state is not None:
                 trace.append(timeline(step, start, forward_end, backward_end, spans, state.last_step))
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
-            wire.append(native_wire if state is None else state.last_step["wire_bytes"])
+            if local:  # the syncs completed since the last step
+                wire.append(sum(h["wire_bytes"] for h in outer.comm.history[synced:]))
+                synced = len(outer.comm.history)
+            else:
+                wire.append(native_wire if state is None else state.last_step["wire_bytes"])
             held.append(None if state is None else state.last_step["held_s"])
             plan = None if state is None else [str(state.last_step.get("plan")), bool(state.last_step.get("trying"))]
             if plan is not None and state.planner is not None and (not plans or plans[-1][1:] != plan):
@@ -166,7 +177,8 @@ def worker(args) -> None:
                 if target is not None and curve[-1][2] <= target and step + 1 >= args.budget:
                     break
             if len(step_times) == tta.FIRST_STEPS + 1:
-                steady = torch.tensor(statistics.median(step_times[1:]))
+                # a local-step route's steps differ by design: the mean, which holds its syncs
+                steady = torch.tensor((statistics.mean if local else statistics.median)(step_times[1:]))
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
@@ -175,6 +187,8 @@ def worker(args) -> None:
                     break
         if state is not None:
             state.close()
+        if outer is not None:
+            outer.close()
         return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
                 "curve": curve, "steps": len(wire), "step_times": step_times, "step_wire_bytes": wire, "step_held_s": held,
                 "plans": plans, "trace": trace,
@@ -331,7 +345,7 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
              + f"; each contestant stops at the first validation at or below it after at least {meta['budget']} "
              f"steps, at most {meta['cap']} x {meta['target_step']}. {meta['warmup']} untimed steps per contestant "
              f"first; contestants interleaved within each round. A contestant whose steady step (median of steps "
-             f"1-{tta.FIRST_STEPS}, slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
+             f"1-{tta.FIRST_STEPS}, the mean for sync-*, whose syncs it holds; slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
              "('not reached').",
              "Time to target: step times (barrier to optimizer step; validations excluded) up to the crossing, "
              "interpolated between validations; median over rounds (min-max). x native: per-round ratio of native "

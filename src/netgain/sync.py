@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .comm.adaptive import TRIAL_RANGE
@@ -220,7 +221,7 @@ class SyncOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig,
                  process_group: dist.ProcessGroup | None = None):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel()]
+        named = _local_shards(model, process_group)
         if not named:
             raise ValueError("model has no trainable parameters to sync")
         if len({p.device for _, p in named}) > 1:
@@ -700,6 +701,28 @@ def _split(named: list, parts: int) -> list[list]:
         cuts.append(min(max(cut, cuts[-1] + 1), len(named) - (parts - f)))
     cuts.append(len(named))
     return [named[start:end] for start, end in zip(cuts, cuts[1:])]
+
+
+def _local_shards(model: torch.nn.Module, group) -> list[tuple[str, torch.Tensor]]:
+    """The trainable parameters with elements on this rank, each as the tensor the optimizer writes: itself, or for
+    a DTensor (FSDP2's sharded parameters) its local shard, which ``group`` must sync with the same shard on the
+    other replicas: ValueError when it spans the mesh the parameter is sharded over."""
+    named = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if isinstance(param, DTensor):  # only where a process group is up
+            mesh = param.device_mesh.mesh.flatten().tolist()
+            peers = set(mesh) & set(dist.get_process_group_ranks(group or dist.group.WORLD))
+            if peers != {dist.get_rank()}:
+                raise ValueError(f"parameter {name} is sharded over ranks {mesh}, "
+                                 f"and process_group holds {sorted(peers)} of them: under FSDP2 pass "
+                                 "process_group=mesh['replicate'].get_group(), the ranks that hold this rank's shard")
+            with torch.no_grad():
+                param = param.to_local()
+        if param.numel():
+            named.append((name, param))
+    return named
 
 
 def _signature(named) -> str:
