@@ -18,7 +18,8 @@ through netgain.comm.fsdp.register with the codec of bench/time_to_accuracy.py's
 same name; one that `register` refuses (a codec a given netgain version does not run under FSDP) is skipped
 with a note. The sync-* contestants (netgain.sync, DiLoCo across the nodes) shard over mesh["shard"]
 too, with no cross-node all-reduce in the step: each node steps alone, and netgain.sync averages each
-rank's local shards with the other node's every `period` steps over mesh["replicate"].
+rank's local shards with the other node's every `period` steps over mesh["replicate"]. auto-sync is auto
+offered that route (netgain.sync.offer on netgain.comm.fsdp's state).
 
 The race is bench/time_to_accuracy.py's with --seed-per-round: round r trains from seed + r (initial
 model and batches); native-fp32 runs first for T (`--target-step`) steps, and its validation loss
@@ -60,7 +61,7 @@ from hook_lab import add_ratios, format_ratio, per_contestant  # noqa: E402
 NODES, PER_NODE = 2, 2
 BASELINE = "native-fp32"  # sets each round's target
 # label -> ("native", FSDP's reduce dtype) or time_to_accuracy's ("netgain", codec, options)
-NETGAIN = {label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] in ("netgain", "sync")}
+NETGAIN = {label: spec for label, spec in tta.CONTESTANTS.items() if spec and spec[0] in ("netgain", "sync", "route")}
 # <label>-held: the same codec with register(..., overlap=False), every group's average holding the backward
 HELD = ("gqsgd-8", "lowrank-r4-fp32", "lowrank-r4-gqsgd8", "auto")
 CONTESTANTS = {BASELINE: ("native", "float32"), "native-bf16": ("native", "bfloat16"), **NETGAIN,
@@ -106,10 +107,10 @@ def worker(args) -> None:
         for layer in model.model.layers:
             fully_shard(layer, **shard)
         fully_shard(model, **shard)
-        if spec[0] != "netgain":
+        if spec[0] not in ("netgain", "route"):
             return model, None
         try:
-            return model, fsdp.register(model, mesh, spec[1], **spec[2])
+            return model, (fsdp.register(model, mesh) if spec[0] == "route" else fsdp.register(model, mesh, spec[1], **spec[2]))
         except ValueError as error:
             raise Refused(str(error)) from error
 
@@ -141,6 +142,9 @@ def worker(args) -> None:
         outer = (netgain.sync.wrap(model, optimizer, process_group=mesh[fsdp.REPLICATE].get_group(), **CONTESTANTS[label][1])
                  if local else None)
         synced = 0
+        # auto-sync: auto offered the route of local steps, whose statistics it reports (its hook's while per-step)
+        route = netgain.sync.offer(state, model, optimizer) if CONTESTANTS[label][0] == "route" else None
+        stats = route or state
         # native HSDP all-reduces this rank's reduce-scattered shard across the nodes, in its reduce dtype
         native_wire = None if state is not None or local else (getattr(torch, CONTESTANTS[label][1]).itemsize
                                                                * sum(p.to_local().numel() for p in model.parameters()))
@@ -158,16 +162,16 @@ def worker(args) -> None:
             (outer or optimizer).step()
             step_times.append(time.perf_counter() - start)
             if step in traced and state is not None:
-                trace.append(timeline(step, start, forward_end, backward_end, spans, state.last_step))
+                trace.append(timeline(step, start, forward_end, backward_end, spans, stats.last_step))
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
             if local:  # the syncs completed since the last step
                 wire.append(sum(h["wire_bytes"] for h in outer.comm.history[synced:]))
                 synced = len(outer.comm.history)
             else:
-                wire.append(native_wire if state is None else state.last_step["wire_bytes"])
-            held.append(None if state is None else state.last_step["held_s"])
-            plan = None if state is None else [str(state.last_step.get("plan")), bool(state.last_step.get("trying"))]
+                wire.append(native_wire if state is None else stats.last_step["wire_bytes"])
+            held.append(None if state is None else stats.last_step.get("held_s", 0.0))  # none in a local step
+            plan = None if state is None else [str(stats.last_step.get("plan")), bool(stats.last_step.get("trying"))]
             if plan is not None and state.planner is not None and (not plans or plans[-1][1:] != plan):
                 plans.append([step, *plan])  # auto/kimad: this rank's shard position's plan by step, and whether on trial
             if evaluate and (step + 1) % args.eval_every == 0:
@@ -178,15 +182,16 @@ def worker(args) -> None:
                     break
             if len(step_times) == tta.FIRST_STEPS + 1:
                 # a local-step route's steps differ by design: the mean, which holds its syncs
-                steady = torch.tensor((statistics.mean if local else statistics.median)(step_times[1:]))
+                stepped_alone = local or any(plan == "local" for _, plan, _ in plans)  # auto-sync local by now
+                steady = torch.tensor((statistics.mean if stepped_alone else statistics.median)(step_times[1:]))
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
                 best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
-        if state is not None:
-            state.close()
+        if stats is not None:
+            stats.close()  # the route closes the hook's state
         if outer is not None:
             outer.close()
         return {"label": label, "workers": world, "numel": sum(p.numel() for p in model.parameters()),
@@ -345,7 +350,7 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
              + f"; each contestant stops at the first validation at or below it after at least {meta['budget']} "
              f"steps, at most {meta['cap']} x {meta['target_step']}. {meta['warmup']} untimed steps per contestant "
              f"first; contestants interleaved within each round. A contestant whose steady step (median of steps "
-             f"1-{tta.FIRST_STEPS}, the mean for sync-*, whose syncs it holds; slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
+             f"1-{tta.FIRST_STEPS}, the mean for sync-* and an auto-sync local by then, whose syncs it holds; slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
              "('not reached').",
              "Time to target: step times (barrier to optimizer step; validations excluded) up to the crossing, "
              "interpolated between validations; median over rounds (min-max). x native: per-round ratio of native "

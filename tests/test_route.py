@@ -143,6 +143,65 @@ def test_a_route_priced_below_every_per_step_plan_runs_its_trial_before_they_set
             assert value[case]["phases"] == ["per-step"] * (TRIAL + 6) and all(value[case]["sent"]), value
 
 
+def fsdp_routed(rank, world_size):
+    """auto under FSDP2 on a 2 x 2 (replicate x shard) mesh offered the route; shard position 0's per-step plan
+    priced infinite (its replicas go local), position 1's near zero (per-step again after the trial): each step's
+    phase and whether this shard's replicas hold the same parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import netgain.comm.fsdp as fsdp
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = fsdp.register(model, mesh, min_compress_numel=0)
+    shard = mesh.get_local_rank("shard")
+    state.planner.settled_price = lambda: float("inf") if shard == 0 else 1e-9
+    route = offer(state, model, optimizer)
+    route._predicted = lambda: 0.0
+    phases, equal = [], []
+    try:
+        for step in range(1 + TRIAL + 6):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            phases.append(route.phase)
+            local = torch.cat([p.detach().to_local().reshape(-1) for p in model.parameters()])
+            every = [torch.empty_like(local) for _ in range(world_size)]
+            dist.all_gather(every, local)  # over the world: the replicate group carries the route's averages
+            equal.append(torch.equal(every[rank], every[(rank + 2) % 4]))  # the other node's rank of this shard
+        try:
+            route.state_dict()
+            checkpoint = "no error"
+        except NotImplementedError as error:
+            checkpoint = str(error)
+    finally:
+        route.close()
+    return {"shard": shard, "phases": phases, "equal": equal, "checkpoint": checkpoint}
+
+
+def test_under_fsdp2_each_shard_positions_replicas_take_the_route_or_not():
+    """Under FSDP2 the route's average crosses the replicate group, shard by shard, and each shard position
+    chooses for itself (as its per-step plans do): position 0's replicas step alone, equal only once an
+    average is applied; position 1's are per-step again after the trial, equal at every step; no rank waits on
+    another's choice. A checkpoint while local is refused, naming why."""
+    for status, value in run(fsdp_routed, 4, timeout=150):
+        assert status == "ok", value
+        local = value["shard"] == 0
+        after = "local" if local else "per-step-chosen"
+        assert value["phases"] == ["trial"] * TRIAL + [after] * 7, value
+        applied = {s for s in range(ROUTE.period + 1, TRIAL + 7) if s % ROUTE.period == ROUTE.overlap_steps}
+        expected = {0} | applied | (set() if local else set(range(TRIAL, TRIAL + 7)))
+        assert {s for s, same in enumerate(value["equal"]) if same} == expected, value
+        assert value["checkpoint"].startswith("netgain.sync checkpoints replicated parameters only") or not local, value
+
+
 def resumed(rank, world_size, path):
     """Local steps, a save of rank 0's route state mid-period, more steps; a fresh run loads it and trains the same."""
     saved_at, more = 1 + ROUTE.period + 3, 10

@@ -234,6 +234,72 @@ def test_a_resume_from_rank_zeros_checkpoint_is_bit_for_bit(world_size, tmp_path
         assert value == {"pending_saved": 1, "params_equal": True, "state_equal": True, "ranks_differ": True}, value
 
 
+def sharded(rank, world_size):
+    """FSDP2 on a 2 x 2 (replicate x shard) mesh, each node's 2 ranks one replica: wrap() over the whole job
+    (refused), then over the replicate group, codec none, periodic averaging every 2 steps. Per step: the largest
+    difference between this rank's shard after the sync and the replicas' mean of it before, or whether the
+    replicas differ where no sync was due."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = {}
+    try:
+        wrap(model, optimizer, period=2)
+        out["refused"] = "no error"
+    except ValueError as error:
+        out["refused"] = str(error)
+    group = mesh.get_group("replicate")
+    outer = wrap(model, optimizer, process_group=group, period=2, codec="none", outer_lr=1.0, outer_momentum=0.0,
+                 nesterov=False)
+
+    def shard():
+        return torch.cat([p.detach().to_local().reshape(-1) for p in model.parameters()])
+
+    def replicas(flat):  # this shard on each node, gathered over the world (the sync's group is its own)
+        every = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(every, flat)
+        return every[rank % 2::2]
+
+    out["steps"] = []
+    try:
+        for step in range(6):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            mean = torch.stack(replicas(shard())).mean(0)
+            outer.after_inner_step()
+            every = replicas(shard())
+            out["steps"].append(float((every[0] - mean).abs().max()) if torch.equal(*every) else "differ")
+        try:
+            outer.state_dict()
+            out["checkpoint"] = "no error"
+        except NotImplementedError as error:
+            out["checkpoint"] = str(error)
+    finally:
+        outer.close()
+    return out
+
+
+def test_under_fsdp2_each_rank_syncs_its_shard_with_the_other_replicas():
+    """DiLoCo across nodes with FSDP2 inside each: the sync averages each rank's local shards over the replicate
+    group (its replicas then equal, the mean within fp32 rounding) and leaves them alone between syncs; a group
+    spanning the shard mesh is refused, naming the group to pass; a checkpoint, not built for shards, is refused."""
+    for status, value in run(sharded, 4, timeout=150):
+        assert status == "ok", value
+        assert "pass process_group=mesh['replicate'].get_group()" in value["refused"], value
+        assert [s == "differ" for s in value["steps"]] == [True, False] * 3, value
+        assert all(s < 1e-6 for s in value["steps"][1::2]), value
+        assert value["checkpoint"].startswith("netgain.sync checkpoints replicated parameters only"), value
+
+
 def started(rank, world_size):
     """wrap() on replicas alike, then on replicas whose first fragment differs: the broadcasts it sent, and whether
     every rank then holds rank 0's parameters."""

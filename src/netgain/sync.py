@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,6 +60,7 @@ from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
+from .comm.fsdp import FSDPCommState
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
@@ -234,6 +236,7 @@ class SyncOptimizer:
             raise RuntimeError("netgain.sync needs the process group up: call torch.distributed.init_process_group "
                                "first (torchrun sets its environment)")
         self.config, self.optimizer, self.inner_steps = config, optimizer, 0
+        self._sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.applied: list[dict] = []
         self.wait_s = 0.0
         # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
@@ -360,7 +363,13 @@ class SyncOptimizer:
         codec state and, per rank, its local parameters and inner optimizer state: save rank 0's alone
         and load it on every rank, in place of saving the model and the inner optimizer. Tensors,
         numbers, strings, lists and dicts only: read it with torch.load(path, weights_only=True).
+        NotImplementedError for FSDP2's sharded parameters, whose state is each shard position's own and
+        would go through DCP: not built yet.
         """
+        if self._sharded:
+            raise NotImplementedError("netgain.sync checkpoints replicated parameters only: under FSDP2 each shard "
+                                      "position's global copy, momentum and inner state are its own, a DCP state "
+                                      "not built yet")
         self._settle()
         local = {"params": {n: p.detach().cpu().clone() for f in self.fragments for n, p in zip(f.names, f.params)},
                  "optimizer": _to_cpu(self.optimizer.state_dict())}
@@ -432,7 +441,8 @@ class LocalRoute:
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
     it (`_predicted`), or before that where the model prices it below every per-step plan (`_choose`), every rank
     takes ROUTE_TRIAL_SYNCS periods of local steps
-    (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient, and a SyncOptimizer
+    (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
+    steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
     averages the parameters every period, in summable codes; its codec's kernels compiled ahead once the route is
     priced within range, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
@@ -443,13 +453,15 @@ class LocalRoute:
 
     ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
     averages' statistics). `state_dict()` / `load_state_dict()` checkpoint the hook's state with the route's:
-    save rank 0's alone, in place of the comm state, model and optimizer.
+    save rank 0's alone, in place of the comm state, model and optimizer (DDP only while local: see
+    `SyncOptimizer.state_dict`).
     """
 
-    def __init__(self, state: CommState, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+    def __init__(self, state: CommState, model: "DistributedDataParallel | FSDPModule", optimizer: torch.optim.Optimizer,
                  config: SyncConfig, steps: float):
-        self.state, self.ddp, self.optimizer, self.config, self.steps = state, ddp_model, optimizer, config, steps
-        self.model = ddp_model.module
+        self.state, self.optimizer, self.config, self.steps = state, optimizer, config, steps
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.model = model.module if self.ddp is not None else model
         self.phase, self.sync = "per-step", None
         self.price: float | None = None  # the per-step price the route's was compared with (for an early trial the
         # cheapest per-step plan's when it began; once it lost, the settled plan's)
@@ -459,7 +471,7 @@ class LocalRoute:
         self._last: float | None = None
         self._trying = False  # of the last step (last_step); and its SyncOptimizer.last_step if it was local, else None
         self._local_step: dict | None = None
-        trained = [p for p in self.model.parameters() if p.requires_grad]
+        trained = [p for _, p in _local_shards(self.model, state.process_group)]
         self._raw_bytes = sum(p.numel() * p.element_size() for p in trained)
         self._world_size = dist.get_world_size(state.process_group)
         self._payload = (sum(p.numel() for p in trained) * config.comm_config().codec.build().wire_bits(self._world_size)
@@ -479,8 +491,7 @@ class LocalRoute:
         if self._warmed:
             return
         self._warmed = True
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.numel()]
-        fragment = _Fragment.build(0, 0, named)
+        fragment = _Fragment.build(0, 0, _local_shards(self.model, self.state.process_group))
         warm(self.config.comm_config().codec.build(), fragment.global_,
              Context.for_step(self._world_size, fragment.layout.segments, 0, 0, dist.get_rank(self.state.process_group),
                               layout=fragment.layout))
@@ -581,8 +592,12 @@ class LocalRoute:
 
     def _local(self, local: bool) -> None:
         """Local steps skip DDP's reducer, as its no_sync() does: no gradient is copied into a bucket and the hook
-        does not run (a pass-through hook cost a median 7% of a local step, 3 gloo ranks on 2 cores, 5 rounds)."""
-        self.ddp.require_backward_grad_sync = not local
+        does not run (a pass-through hook cost a median 7% of a local step, 3 gloo ranks on 2 cores, 5 rounds).
+        Under FSDP2 the reduce-scatter inside a replica goes on, and the hook leaves its output unaveraged."""
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = not local
+        else:
+            self.state.local = local
 
     @torch.no_grad()
     def _leave(self) -> None:
@@ -593,8 +608,8 @@ class LocalRoute:
         self.sync, self.phase = None, "per-step-chosen"
         self._local(False)
         self.state.planner.pause()
-        state = [v for entry in self.optimizer.state.values() for v in entry.values()
-                 if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        state = [v.to_local() if isinstance(v, DTensor) else v for entry in self.optimizer.state.values()
+                 for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
         # the moments in bf16 (fp32's range, relative error 2^-9; in fp32 leaving took 3.7 s on the lab's lm job at
         # 50 Mbit/s, in fp64 0.57-0.65 s at 1 Gbit/s, its neighbours 0.15), the scalars (step counts) exact in fp32
         _mean([v for v in state if v.numel() > 1], torch.bfloat16, self.state.process_group)
@@ -654,10 +669,11 @@ def _mean(tensors: list[torch.Tensor], dtype: torch.dtype, group) -> None:
     torch._foreach_copy_(tensors, [chunk.view_as(v) for chunk, v in zip(flat.split([v.numel() for v in tensors]), tensors)])
 
 
-def offer(state: CommState, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+def offer(state: CommState, model: "DistributedDataParallel | FSDPModule", optimizer: torch.optim.Optimizer,
           config: SyncConfig = ROUTE, steps: float | None = None) -> LocalRoute:
-    """Let auto (``state``: `netgain.comm.register(ddp_model, "auto")`'s) take the route of local steps where
-    it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the training loop
+    """Let auto (``state``: `netgain.comm.register(model, "auto")`'s on a DDP model, or
+    `netgain.comm.fsdp.register(model, mesh)`'s on an FSDP2 one, whose replicas then step alone) take the route of
+    local steps where it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the training loop
     steps (a post-step hook does the outer work; the loop is unchanged). ``config``: the route's SyncConfig,
     one fragment and mix 0 (a switch back needs every replica equal); ``steps``: its steps to the target as a
     multiple of fp32's, measured for the default ROUTE (ROUTE_STEPS), to be given for any other."""
@@ -672,10 +688,11 @@ def offer(state: CommState, ddp_model: DistributedDataParallel, optimizer: torch
     steps = ROUTE_STEPS if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not 0 < steps < float("inf"):
         raise ValueError(f"steps must be a number > 0, got {steps!r}")
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"offer() needs the DistributedDataParallel model the hook is registered on, got "
-                        f"{type(ddp_model).__name__}")
-    return LocalRoute(state, ddp_model, optimizer, config, float(steps))
+    fsdp = isinstance(state, FSDPCommState)
+    if not isinstance(model, FSDPModule if fsdp else DistributedDataParallel):
+        raise TypeError(f"offer() needs the {'fully_shard-ed' if fsdp else 'DistributedDataParallel'} model the hook "
+                        f"is registered on, got {type(model).__name__}")
+    return LocalRoute(state, model, optimizer, config, float(steps))
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig | None = None, *,

@@ -101,17 +101,23 @@ class FSDPCommState(CommState):
         self._in_step = False
         self._failure: Exception | None = None  # this step's error on this replicate group, raised at its end
         self._device = torch.device("cpu")  # of the flat outputs: where the step's verdict is agreed
+        self.local = False  # the replicas step alone (auto's route of local steps, netgain.sync.offer): no average
 
     def reduce(self, index: int, flat: torch.Tensor) -> None:
         """Replace ``flat`` (one group's reduce-scatter output) by its mean over the replicas.
 
         A failure of the pipeline (NaN/Inf, a plan mismatch: the same on every replica of this shard) is held
         and raised at the backward's end on every rank (`_close_step`); this replicate group's later buckets
-        send nothing meanwhile, and FSDP goes on with the step's reduce-scatters, which every rank runs."""
+        send nothing meanwhile, and FSDP goes on with the step's reduce-scatters, which every rank runs.
+        While ``local``, ``flat`` stays this replica's own (FSDP2 calls the hook even where
+        set_requires_all_reduce(False) is set, on a 1-D shard mesh), and the step's end only exchanges verdicts:
+        another shard position's replicas may be on a per-step plan."""
         first = not self._in_step
         if first:
             self._in_step = True
             Variable._execution_engine.queue_callback(self._close_step)  # runs after FSDP's own
+        if self.local:
+            return
         try:
             layout = self._flat_layout(index, flat)
         except Exception:  # this rank's own (a parameter without a gradient): raised now
@@ -163,7 +169,8 @@ class FSDPCommState(CommState):
         self._in_step = False
         error, self._failure = self._failure, None
         try:
-            self.end_step()
+            if not self.local:
+                self.end_step()
         except Exception as failed:  # the planner's agreement (a plan mismatch): the same on every replica
             error = error or failed
         verdicts = torch.zeros(self._shards, device=self._device)
