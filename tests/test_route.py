@@ -190,7 +190,7 @@ def test_under_fsdp2_each_shard_positions_replicas_take_the_route_or_not():
     """Under FSDP2 the route's average crosses the replicate group, shard by shard, and each shard position
     chooses for itself (as its per-step plans do): position 0's replicas step alone, equal only once an
     average is applied; position 1's are per-step again after the trial, equal at every step; no rank waits on
-    another's choice. A checkpoint while local is refused, naming why."""
+    another's choice. A checkpoint is refused, naming why."""
     for status, value in run(fsdp_routed, 4, timeout=150):
         assert status == "ok", value
         local = value["shard"] == 0
@@ -199,7 +199,7 @@ def test_under_fsdp2_each_shard_positions_replicas_take_the_route_or_not():
         applied = {s for s in range(ROUTE.period + 1, TRIAL + 7) if s % ROUTE.period == ROUTE.overlap_steps}
         expected = {0} | applied | (set() if local else set(range(TRIAL, TRIAL + 7)))
         assert {s for s, same in enumerate(value["equal"]) if same} == expected, value
-        assert value["checkpoint"].startswith("netgain.sync checkpoints replicated parameters only") or not local, value
+        assert value["checkpoint"].startswith("netgain.sync's route checkpoints under DDP only"), value
 
 
 def resumed(rank, world_size, path):
@@ -258,9 +258,11 @@ def _config(*argv: str):
     return build_config(cli.build_parser("train").parse_args(["train", *argv]))
 
 
-@pytest.mark.parametrize("argv, named", [(["--codec", "gqsgd"], "--codec gqsgd"), (["--sync"], "--sync")])
-def test_local_route_is_a_route_of_auto_on_ddp(argv, named):
-    with pytest.raises(ValueError, match=f"--local-route is a route of --codec auto on DDP's hook, not of {named}"):
+@pytest.mark.parametrize("argv, named", [(["--codec", "gqsgd"], "is a route of --codec auto, not of --codec gqsgd"),
+                                         (["--sync"], "is a route of --codec auto, not of --sync"),
+                                         (["--fsdp", "--replicas", "1", "--shards", "2"], "does not run with --fsdp: netgain train checkpoints")])
+def test_local_route_is_a_route_of_auto_outside_fsdp_in_netgain_train(argv, named):
+    with pytest.raises(ValueError, match=f"--local-route {named}"):
         _config("--local-route", *argv)
 
 

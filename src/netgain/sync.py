@@ -453,8 +453,7 @@ class LocalRoute:
 
     ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
     averages' statistics). `state_dict()` / `load_state_dict()` checkpoint the hook's state with the route's:
-    save rank 0's alone, in place of the comm state, model and optimizer (DDP only while local: see
-    `SyncOptimizer.state_dict`).
+    save rank 0's alone, in place of the comm state, model and optimizer (under DDP only).
     """
 
     def __init__(self, state: CommState, model: "DistributedDataParallel | FSDPModule", optimizer: torch.optim.Optimizer,
@@ -633,7 +632,11 @@ class LocalRoute:
 
     def state_dict(self) -> dict:
         """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
-        optimizer state): collective, call it on every rank between steps."""
+        optimizer state): collective, call it on every rank between steps. Under FSDP2 NotImplementedError: the
+        hook's state is a DCP Stateful and the SyncOptimizer's sharded state is not built yet."""
+        if self.ddp is None:
+            raise NotImplementedError("netgain.sync's route checkpoints under DDP only: under FSDP2 the hook's state "
+                                      "goes through DCP and the local steps' sharded state is not built yet")
         return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
                 "route_price": self.route_price, "early": self._early, "measured": self._measured,
                 "times": list(self._times), "waits": list(self._waits),

@@ -42,6 +42,9 @@ DEFAULT_WORLD_SIZE = 2
 # DiLoCo's outer lr 0.7 and momentum 0.9 did not within 240 steps at H=4, 8 or 16 (3 rounds at 50 Mbit/s). The bench
 # ran AdamW lr 1e-3 on batches of 2 x 128 bytes per worker; this command's --lr and --batch-size defaults are not measured.
 DEFAULT_SYNC_CODEC = "gqsgd"
+# why netgain train keeps local steps off FSDP2, where the library runs them (netgain.sync.wrap / offer)
+SHARDED_SYNC = ("netgain train checkpoints its jobs, and a checkpoint of netgain.sync's sharded state is not built yet "
+                "(the library runs local steps under FSDP2: docs/fsdp.md)")
 DEFAULT_SYNC = {"sync_period": 8, "sync_bits": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 1}
 SYNC_CODECS = netgain.sync.CODECS
 SYNC_BITS_CODECS = tuple(name for name in SYNC_CODECS
@@ -223,9 +226,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         check_fsdp(config, checkpoint)
     if config.sync:
         check_sync(config)
-    if config.local_route and (config.codec != "auto" or config.fsdp or config.sync):
-        raise ValueError("--local-route is a route of --codec auto on DDP's hook, not of "
-                         + ("--sync" if config.sync else "--fsdp" if config.fsdp else f"--codec {config.codec}"))
+    if config.local_route and config.fsdp:
+        raise ValueError(f"--local-route does not run with --fsdp: {SHARDED_SYNC}")
+    if config.local_route and (config.codec != "auto" or config.sync):
+        raise ValueError("--local-route is a route of --codec auto, not of "
+                         + ("--sync" if config.sync else f"--codec {config.codec}"))
     if config.checkpoint:
         check_checkpoint_paths(config, checkpoint)
     return config
@@ -248,8 +253,7 @@ def check_route(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag(name)} applies with --sync only")
         return
     if args.fsdp:
-        raise ValueError("--fsdp does not run with --sync: netgain.sync keeps a whole replica on each worker "
-                         "(leave out --fsdp, --replicas and --shards)")
+        raise ValueError(f"--fsdp does not run with --sync: {SHARDED_SYNC} (leave out --fsdp, --replicas and --shards)")
     defaults = vars(_parser().parse_args([]))
     for name in PER_STEP_OPTIONS:
         if getattr(args, name) != defaults[name]:
