@@ -45,7 +45,6 @@ import collections
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -56,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import time_to_accuracy as tta  # noqa: E402
-from hook_lab import add_ratios, format_ratio, per_contestant  # noqa: E402
+from hook_lab import add_ratios, cpu_model, format_ratio, per_contestant  # noqa: E402
 
 NODES, PER_NODE = 2, 2
 BASELINE = "native-fp32"  # sets each round's target
@@ -166,8 +165,9 @@ def worker(args) -> None:
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
             if local:  # the syncs completed since the last step
-                wire.append(sum(h["wire_bytes"] for h in outer.comm.history[synced:]))
-                synced = len(outer.comm.history)
+                done = len(outer.comm.history)  # the sync thread may append one meanwhile
+                wire.append(sum(h["wire_bytes"] for h in outer.comm.history[synced:done]))
+                synced = done
             else:
                 wire.append(native_wire if state is None else stats.last_step["wire_bytes"])
             held.append(None if state is None else stats.last_step.get("held_s", 0.0))  # none in a local step
@@ -525,7 +525,7 @@ def main(argv=None) -> int:
             skipped.update(refused)
     meta = {"title": "Time to target validation loss for HSDP on the two-node lab: native FSDP2 vs netgain on "
                      "the cross-node all-reduce (interleaved)",
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {NODES * PER_NODE} workers of 1 torch thread",
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores, {NODES * PER_NODE} workers of 1 torch thread",
             "commit": commit,
             "command": "python " + " ".join(sys.argv), "load": load, "skipped": skipped,
             **{k: getattr(args, k) for k in ("rates", "hidden", "layers", "batch_size", "seq_len", "lr", "rounds",

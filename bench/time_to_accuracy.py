@@ -309,8 +309,9 @@ def worker(args) -> None:
             if plan is not None and (not plans or plans[-1][1:] != [str(plan[0]), bool(plan[1])]):
                 plans.append([step, str(plan[0]), bool(plan[1])])  # auto/kimad: the plan's runs, and whether on trial
             if spec is not None and spec[0] == "sync":  # the syncs completed since the last step
-                wire.append(sum(h["wire_bytes"] for h in state.comm.history[synced:]))
-                synced = len(state.comm.history)
+                done = len(state.comm.history)  # the sync thread may append one meanwhile
+                wire.append(sum(h["wire_bytes"] for h in state.comm.history[synced:done]))
+                synced = done
             else:
                 wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
             if eval_every and (step + 1) % eval_every == 0:

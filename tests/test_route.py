@@ -153,7 +153,7 @@ def fsdp_routed(rank, world_size):
     import netgain.comm.fsdp as fsdp
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 3 rows: 2 + 1
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
@@ -167,14 +167,14 @@ def fsdp_routed(rank, world_size):
     try:
         for step in range(1 + TRIAL + 6):
             g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             phases.append(route.phase)
             local = torch.cat([p.detach().to_local().reshape(-1) for p in model.parameters()])
-            every = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(every, local)  # over the world: the replicate group carries the route's averages
+            every = [None] * world_size
+            dist.all_gather_object(every, local)  # over the world: the replicate group carries the route's averages
             equal.append(torch.equal(every[rank], every[(rank + 2) % 4]))  # the other node's rank of this shard
         try:
             route.state_dict()
@@ -260,7 +260,7 @@ def _config(*argv: str):
 
 @pytest.mark.parametrize("argv, named", [(["--codec", "gqsgd"], "is a route of --codec auto, not of --codec gqsgd"),
                                          (["--sync"], "is a route of --codec auto, not of --sync"),
-                                         (["--fsdp", "--replicas", "1", "--shards", "2"], "does not run with --fsdp: netgain train checkpoints")])
+                                         (["--fsdp", "--replicas", "1", "--shards", "2"], "does not run with --fsdp: netgain train's --checkpoint and --resume")])
 def test_local_route_is_a_route_of_auto_outside_fsdp_in_netgain_train(argv, named):
     with pytest.raises(ValueError, match=f"--local-route {named}"):
         _config("--local-route", *argv)

@@ -235,15 +235,15 @@ def test_a_resume_from_rank_zeros_checkpoint_is_bit_for_bit(world_size, tmp_path
 
 
 def sharded(rank, world_size):
-    """FSDP2 on a 2 x 2 (replicate x shard) mesh, each node's 2 ranks one replica: wrap() over the whole job
-    (refused), then over the replicate group, codec none, periodic averaging every 2 steps. Per step: the largest
-    difference between this rank's shard after the sync and the replicas' mean of it before, or whether the
-    replicas differ where no sync was due."""
+    """FSDP2 on a 2 x 2 (replicate x shard) mesh, each node's 2 ranks one replica, the last layer's 3 rows sharded
+    2 + 1: wrap() over the whole job (refused), then over the replicate group, codec none, periodic averaging every
+    2 steps. Per step: the largest difference between this rank's shard after the sync and the replicas' mean of it
+    before, or whether the replicas differ where no sync was due. Then a NaN in rank 1's shard as a sync is due."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = _mlp()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
@@ -262,18 +262,21 @@ def sharded(rank, world_size):
         return torch.cat([p.detach().to_local().reshape(-1) for p in model.parameters()])
 
     def replicas(flat):  # this shard on each node, gathered over the world (the sync's group is its own)
-        every = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(every, flat)
+        every = [None] * world_size
+        dist.all_gather_object(every, flat)
         return every[rank % 2::2]
+
+    def inner_step(step):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
 
     out["steps"] = []
     try:
         for step in range(6):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
+            inner_step(step)
             mean = torch.stack(replicas(shard())).mean(0)
             outer.after_inner_step()
             every = replicas(shard())
@@ -283,6 +286,17 @@ def sharded(rank, world_size):
             out["checkpoint"] = "no error"
         except NotImplementedError as error:
             out["checkpoint"] = str(error)
+        inner_step(6)
+        outer.after_inner_step()
+        inner_step(7)  # a sync is due after it
+        if rank == 1:  # shard position 1's pseudo-gradient on one replica
+            with torch.no_grad():
+                next(model.parameters()).to_local().view(-1)[0] = float("nan")
+        try:
+            outer.after_inner_step()
+            out["nan"] = "no error"
+        except NonFiniteGradientError as error:
+            out["nan"] = str(error)
     finally:
         outer.close()
     return out
@@ -291,9 +305,11 @@ def sharded(rank, world_size):
 def test_under_fsdp2_each_rank_syncs_its_shard_with_the_other_replicas():
     """DiLoCo across nodes with FSDP2 inside each: the sync averages each rank's local shards over the replicate
     group (its replicas then equal, the mean within fp32 rounding) and leaves them alone between syncs; a group
-    spanning the shard mesh is refused, naming the group to pass; a checkpoint, not built for shards, is refused."""
-    for status, value in run(sharded, 4, timeout=150):
+    spanning the shard mesh is refused, naming the group to pass; a checkpoint, not built for shards, is refused;
+    a NaN in one shard position's average raises NonFiniteGradientError on every rank of the mesh."""
+    for rank, (status, value) in enumerate(run(sharded, 4, timeout=150)):
         assert status == "ok", value
+        assert ("not finite" if rank % 2 else "the replicas of shard 1 raised NonFiniteGradientError") in value["nan"]
         assert "pass process_group=mesh['replicate'].get_group()" in value["refused"], value
         assert [s == "differ" for s in value["steps"]] == [True, False] * 3, value
         assert all(s < 1e-6 for s in value["steps"][1::2]), value

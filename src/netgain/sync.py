@@ -60,7 +60,7 @@ from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
-from .comm.fsdp import FSDPCommState
+from .comm.fsdp import FSDPCommState, raise_on_every_shard
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
@@ -222,7 +222,7 @@ class SyncOptimizer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: SyncConfig,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, *, shard_verdicts: bool = True):
         named = _local_shards(model, process_group)
         if not named:
             raise ValueError("model has no trainable parameters to sync")
@@ -236,7 +236,13 @@ class SyncOptimizer:
             raise RuntimeError("netgain.sync needs the process group up: call torch.distributed.init_process_group "
                                "first (torchrun sets its environment)")
         self.config, self.optimizer, self.inner_steps = config, optimizer, 0
-        self._sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+        self._sharded = bool(meshes)
+        # FSDP2: a failed average (NaN/Inf, a mismatch) is raised on its replicas only, so the other shard
+        # positions learn of it over the shard mesh, else they would wait in FSDP's next all-gather. False: the
+        # caller does it (the route, through netgain.comm.fsdp's step verdict: its shard positions may not sync at
+        # the same steps)
+        self.shard_group = meshes[0].get_group() if meshes and shard_verdicts else None
         self.applied: list[dict] = []
         self.wait_s = 0.0
         # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
@@ -333,7 +339,10 @@ class SyncOptimizer:
         """The outer Nesterov step on the fragment's global copy (torch.optim.SGD's arithmetic), then the
         local parameters from it."""
         start = time.perf_counter()
-        record = sync.done.result()  # raises the sync thread's error, the same on every rank
+        if self.shard_group is not None:  # every shard position applies an average at this step
+            raise_on_every_shard(sync.done.exception(), self.shard_group, sync.fragment.delta.device,
+                                 f"netgain.sync after inner step {self.inner_steps}")
+        record = sync.done.result()  # raises the sync thread's error, the same on every rank of the process group
         self.wait_s += time.perf_counter() - start
         if record is not None:
             self.applied.append(record)
@@ -433,6 +442,8 @@ ROUTE = SyncConfig(period=8, bits=4, outer_lr=1.0, outer_momentum=0.0, nesterov=
 ROUTE_STEPS = 1.2
 ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial, and is priced on the last
 ROUTE_FORMAT = "netgain.route/1"
+ROUTE_UNDER_FSDP = ("netgain.sync's route checkpoints under DDP only: under FSDP2 the hook's state goes through DCP and "
+                    "the local steps' sharded state is not built yet")
 
 
 class LocalRoute:
@@ -497,13 +508,20 @@ class LocalRoute:
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
-        # the step just taken: the hook ran unless it was local (DDP's reducer is off exactly while sync is set)
+        # the step just taken: the hook ran unless it was local (DDP's reducer, or the FSDP hook's average, is off
+        # exactly while sync is set)
         self._trying, self._local_step = self.phase == "trial", None
         if self.sync is None:
             if self.phase == "per-step":
                 self._choose()
             return
-        self.sync.after_inner_step()
+        try:
+            self.sync.after_inner_step()
+        except Exception as error:
+            if self.ddp is not None:
+                raise
+            self.state.fail(error)  # raised on every rank of the mesh at the next backward's end
+            return
         self._local_step = self.sync.last_step
         if self.phase != "trial":
             return
@@ -584,7 +602,8 @@ class LocalRoute:
         """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
         the trial or local steps warms the route's kernels here (no collective): compiled kernels are the process's."""
         self._warm()
-        self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group)
+        self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group,
+                                  shard_verdicts=False)
         self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
         self.phase, self._times, self._waits = phase, [], []
         self._local(True)
@@ -617,7 +636,7 @@ class LocalRoute:
     @property
     def last_step(self) -> dict:
         """The last step's statistics: the hook's where it ran (a per-step plan's step), else a local step's (``plan``
-        "local"; ``raw_bytes`` what DDP would have sent uncompressed; ``wait_s`` the wait for averages; their codec and
+        "local"; ``raw_bytes`` what the hook would have sent uncompressed (under FSDP2 this rank's shards); ``wait_s`` the wait for averages; their codec and
         link seconds); the bytes of the averages it applied added to ``wire_bytes``; the route's ``phase`` and the
         prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``)."""
         last = (self.state.last_step if self._local_step is None else
@@ -635,15 +654,17 @@ class LocalRoute:
         optimizer state): collective, call it on every rank between steps. Under FSDP2 NotImplementedError: the
         hook's state is a DCP Stateful and the SyncOptimizer's sharded state is not built yet."""
         if self.ddp is None:
-            raise NotImplementedError("netgain.sync's route checkpoints under DDP only: under FSDP2 the hook's state "
-                                      "goes through DCP and the local steps' sharded state is not built yet")
+            raise NotImplementedError(ROUTE_UNDER_FSDP)
         return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
                 "route_price": self.route_price, "early": self._early, "measured": self._measured,
                 "times": list(self._times), "waits": list(self._waits),
                 "sync": self.sync.state_dict() if self.sync is not None else None}
 
     def load_state_dict(self, saved: dict) -> None:
-        """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
+        """Resume what `state_dict()` returned, on every rank; ValueError for anything else (NotImplementedError
+        under FSDP2, as `state_dict`)."""
+        if self.ddp is None:
+            raise NotImplementedError(ROUTE_UNDER_FSDP)
         if not (isinstance(saved, dict) and saved.get("format") == ROUTE_FORMAT
                 and saved.get("phase") in ("per-step", "trial", "local", "per-step-chosen")
                 and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))
@@ -732,6 +753,10 @@ def _local_shards(model: torch.nn.Module, group) -> list[tuple[str, torch.Tensor
         if not param.requires_grad:
             continue
         if isinstance(param, DTensor):  # only where a process group is up
+            if param.device_mesh.ndim != 1:
+                raise ValueError(f"parameter {name} is sharded over a {param.device_mesh.ndim}-D mesh: FSDP2's own HSDP "
+                                 "all-reduces across replicas every step; for local steps fully_shard over "
+                                 "mesh['shard'] and pass process_group=mesh['replicate'].get_group()")
             mesh = param.device_mesh.mesh.flatten().tolist()
             peers = set(mesh) & set(dist.get_process_group_ranks(group or dist.group.WORLD))
             if peers != {dist.get_rank()}:

@@ -34,7 +34,7 @@ kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard posi
 its own buckets (its shard of each FSDP group) from what its replicas agree, so shard positions may run
 different plans, as their shards differ. A step ends when autograd finishes the backward (a queued
 final callback), once per backward on every rank; there the planner ends its step on the replicate
-group, and then one allreduce MAX over the shard group tells every rank whether any shard position's
+group (but in a local step of auto's route, netgain.sync.offer, which averages nothing), and then one allreduce MAX over the shard group tells every rank whether any shard position's
 replicas failed (NaN/Inf, a plan mismatch): a failure raises on every rank of the mesh, so no replica
 steps while another stops. A failed replicate group's later buckets send nothing until then, while
 FSDP's reduce-scatters go on, so every rank reaches the step's end. The statistics' wait_s is the time
@@ -116,6 +116,7 @@ class FSDPCommState(CommState):
         if first:
             self._in_step = True
             Variable._execution_engine.queue_callback(self._close_step)  # runs after FSDP's own
+        self._device = flat.device
         if self.local:
             return
         try:
@@ -124,7 +125,6 @@ class FSDPCommState(CommState):
             self._in_step, self._jobs, self._started = False, [], []  # autograd skips final callbacks once a backward raises
             raise
         if self._failure is None:
-            self._device = flat.device
             if self.pipeline is None:
                 self._start(side_stream=self.overlap)
             if first:
@@ -164,8 +164,9 @@ class FSDPCommState(CommState):
                             or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None) for p in group.fsdp_params))
 
     def _close_step(self) -> None:
-        """The backward's end: statistics and the planner's end of step (on the replicate group), then every
-        shard position's verdict in one allreduce MAX over the shard group; raises any failure on every rank."""
+        """The backward's end: statistics and the planner's end of step (on the replicate group; none while
+        ``local``), then every shard position's verdict in one allreduce MAX over the shard group
+        (`raise_on_every_shard`); raises any failure on every rank."""
         self._in_step = False
         error, self._failure = self._failure, None
         try:
@@ -173,18 +174,12 @@ class FSDPCommState(CommState):
                 self.end_step()
         except Exception as failed:  # the planner's agreement (a plan mismatch): the same on every replica
             error = error or failed
-        verdicts = torch.zeros(self._shards, device=self._device)
-        verdicts[self._shard] = _failure_code(error)
-        if self._shards > 1:
-            dist.all_reduce(verdicts, dist.ReduceOp.MAX, group=self._shard_group)
-        if error is not None:
-            raise error
-        failed = [shard for shard, code in enumerate(verdicts.tolist()) if code]
-        if failed:
-            kind = FAILURES[int(verdicts.max())]
-            raise kind(f"netgain.comm.fsdp step {self.step - 1}: the replicas of shard {', '.join(map(str, failed))} "
-                       f"raised {kind.__name__} (named on their ranks); every rank raises it, so that no replica "
-                       "steps while another stops")
+        raise_on_every_shard(error, self._shard_group, self._device, f"netgain.comm.fsdp step {self.step - 1}")
+
+    def fail(self, error: Exception) -> None:
+        """Hold ``error``, this shard position's replicas' own (the route's average of local steps), to raise at the
+        next backward's end on every rank of the mesh, with the step's verdict."""
+        self._failure = self._failure or error
 
     def _flat_layout(self, index: int, flat: torch.Tensor) -> BucketLayout:
         """Each group's layout, built once: its parameters' padded shards tile the flat output."""
@@ -300,6 +295,23 @@ class FSDPCommState(CommState):
         return {"format": FORMAT, "config": self.config.describe(), "mesh": list(self.mesh.shape),
                 "world_size": self.mesh.size(), "step": self.step,
                 "names": [name for layout in self._group_layouts() for name in layout.names]}
+
+
+def raise_on_every_shard(error: Exception | None, shard_group, device: torch.device, where: str) -> None:
+    """Every shard position's verdict (``error``: this rank's, the same on its replicas) in one allreduce MAX over
+    ``shard_group`` (this rank's replica: one rank of each shard position); raises this rank's error, or the most
+    specific class another position's replicas raised, on every rank: no replica steps while another stops."""
+    verdicts = torch.zeros(dist.get_world_size(shard_group), device=device)
+    verdicts[dist.get_rank(shard_group)] = _failure_code(error)
+    if verdicts.numel() > 1:
+        dist.all_reduce(verdicts, dist.ReduceOp.MAX, group=shard_group)
+    if error is not None:
+        raise error
+    failed = [shard for shard, code in enumerate(verdicts.tolist()) if code]
+    if failed:
+        kind = FAILURES[int(verdicts.max())]
+        raise kind(f"{where}: the replicas of shard {', '.join(map(str, failed))} raised {kind.__name__} (named on "
+                   "their ranks); every rank raises it, so that no replica steps while another stops")
 
 
 def _failure_code(error: Exception | None) -> int:

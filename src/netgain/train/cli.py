@@ -43,8 +43,8 @@ DEFAULT_WORLD_SIZE = 2
 # ran AdamW lr 1e-3 on batches of 2 x 128 bytes per worker; this command's --lr and --batch-size defaults are not measured.
 DEFAULT_SYNC_CODEC = "gqsgd"
 # why netgain train keeps local steps off FSDP2, where the library runs them (netgain.sync.wrap / offer)
-SHARDED_SYNC = ("netgain train checkpoints its jobs, and a checkpoint of netgain.sync's sharded state is not built yet "
-                "(the library runs local steps under FSDP2: docs/fsdp.md)")
+SHARDED_SYNC = ("netgain train's --checkpoint and --resume would need netgain.sync's sharded state, not built yet; the "
+                "library runs local steps under FSDP2, docs/fsdp.md")
 DEFAULT_SYNC = {"sync_period": 8, "sync_bits": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 1}
 SYNC_CODECS = netgain.sync.CODECS
 SYNC_BITS_CODECS = tuple(name for name in SYNC_CODECS
@@ -253,7 +253,7 @@ def check_route(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag(name)} applies with --sync only")
         return
     if args.fsdp:
-        raise ValueError(f"--fsdp does not run with --sync: {SHARDED_SYNC} (leave out --fsdp, --replicas and --shards)")
+        raise ValueError(f"--fsdp does not run with --sync: {SHARDED_SYNC}; leave out --fsdp, --replicas and --shards")
     defaults = vars(_parser().parse_args([]))
     for name in PER_STEP_OPTIONS:
         if getattr(args, name) != defaults[name]:
