@@ -23,7 +23,6 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from netgain.cost.measured import cpu_name  # noqa: E402
 
 # label -> how the contestant's hook is registered ("ddp": plain DDP, no hook)
 CONTESTANTS = {
@@ -180,19 +181,8 @@ def format_ratio(summary: dict, key: str) -> str:
     return f"{summary[key]:.2f} ({low:.2f}-{high:.2f})"
 
 
-def cpu_model() -> str:
-    """The CPU's name with its family and model: sessions' VMs differ (a "2-core AMD EPYC" was Zen 1 one day,
-    family 26 another), and results compare only within one."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
-        info = {key.strip(): value.strip() for key, value in info.items()}
-        return f"{info['model name']} (family {info['cpu family']} model {info['model']})"
-    except (OSError, KeyError):
-        return platform.processor() or platform.machine()
-
-
 def machine() -> str:
-    return f"{cpu_model()}, {os.cpu_count()} cores, torch threads per worker = cores / workers"
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch threads per worker = cores / workers"
 
 
 def per_contestant(rows: list[dict]):

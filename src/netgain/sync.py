@@ -481,7 +481,8 @@ class LocalRoute:
         self._last: float | None = None
         self._trying = False  # of the last step (last_step); and its SyncOptimizer.last_step if it was local, else None
         self._local_step: dict | None = None
-        trained = [p for _, p in _local_shards(self.model, state.process_group)]
+        self._named = _local_shards(self.model, state.process_group)  # what it syncs: parameters or FSDP2's shards
+        trained = [p for _, p in self._named]
         self._raw_bytes = sum(p.numel() * p.element_size() for p in trained)
         self._world_size = dist.get_world_size(state.process_group)
         self._payload = (sum(p.numel() for p in trained) * config.comm_config().codec.build().wire_bits(self._world_size)
@@ -501,7 +502,7 @@ class LocalRoute:
         if self._warmed:
             return
         self._warmed = True
-        fragment = _Fragment.build(0, 0, _local_shards(self.model, self.state.process_group))
+        fragment = _Fragment.build(0, 0, self._named)
         warm(self.config.comm_config().codec.build(), fragment.global_,
              Context.for_step(self._world_size, fragment.layout.segments, 0, 0, dist.get_rank(self.state.process_group),
                               layout=fragment.layout))
@@ -636,7 +637,8 @@ class LocalRoute:
     @property
     def last_step(self) -> dict:
         """The last step's statistics: the hook's where it ran (a per-step plan's step), else a local step's (``plan``
-        "local"; ``raw_bytes`` what the hook would have sent uncompressed (under FSDP2 this rank's shards); ``wait_s`` the wait for averages; their codec and
+        "local"; ``raw_bytes`` what the hook would have sent uncompressed (under FSDP2 this rank's shards); ``wait_s``
+        the wait for averages; their codec and
         link seconds); the bytes of the averages it applied added to ``wire_bytes``; the route's ``phase`` and the
         prices it compared (seconds to the target per fp32 step: ``per_step_price``, ``route_price``)."""
         last = (self.state.last_step if self._local_step is None else
@@ -697,8 +699,8 @@ def offer(state: CommState, model: "DistributedDataParallel | FSDPModule", optim
           config: SyncConfig = ROUTE, steps: float | None = None) -> LocalRoute:
     """Let auto (``state``: `netgain.comm.register(model, "auto")`'s on a DDP model, or
     `netgain.comm.fsdp.register(model, mesh)`'s on an FSDP2 one, whose replicas then step alone) take the route of
-    local steps where it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the training loop
-    steps (a post-step hook does the outer work; the loop is unchanged). ``config``: the route's SyncConfig,
+    local steps where it reaches the target sooner than its per-step plans (LocalRoute). ``optimizer``: the one the
+    training loop steps (a post-step hook does the outer work; the loop is unchanged). ``config``: the route's SyncConfig,
     one fragment and mix 0 (a switch back needs every replica equal); ``steps``: its steps to the target as a
     multiple of fp32's, measured for the default ROUTE (ROUTE_STEPS), to be given for any other."""
     if state.planner is None or state.planner.mode != "auto":

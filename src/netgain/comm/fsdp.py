@@ -34,7 +34,8 @@ kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard posi
 its own buckets (its shard of each FSDP group) from what its replicas agree, so shard positions may run
 different plans, as their shards differ. A step ends when autograd finishes the backward (a queued
 final callback), once per backward on every rank; there the planner ends its step on the replicate
-group (but in a local step of auto's route, netgain.sync.offer, which averages nothing), and then one allreduce MAX over the shard group tells every rank whether any shard position's
+group (but in a local step of auto's route, netgain.sync.offer, which averages nothing), and then one
+allreduce MAX over the shard group tells every rank whether any shard position's
 replicas failed (NaN/Inf, a plan mismatch): a failure raises on every rank of the mesh, so no replica
 steps while another stops. A failed replicate group's later buckets send nothing until then, while
 FSDP's reduce-scatters go on, so every rank reaches the step's end. The statistics' wait_s is the time

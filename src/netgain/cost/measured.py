@@ -61,14 +61,22 @@ GLUE_OPS = (
 
 
 def cpu_name() -> str:
-    """The CPU model string (for cache keys and reports)."""
+    """The CPU model string, with its family and model where /proc/cpuinfo gives them (for cache keys and reports:
+    VMs sold under one name, "AMD EPYC", were a Zen 1 one session and family 26 another)."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break  # the first processor's block
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{fields['model name']} (family {fields['cpu family']} model {fields['model']})"
+    return fields["model name"]
 
 
 def load_per_core() -> float:
