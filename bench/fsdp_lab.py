@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import time_to_accuracy as tta  # noqa: E402
-from hook_lab import add_ratios, cpu_model, format_ratio, per_contestant  # noqa: E402
+from hook_lab import add_ratios, cpu_name, format_ratio, per_contestant  # noqa: E402
 
 NODES, PER_NODE = 2, 2
 BASELINE = "native-fp32"  # sets each round's target
@@ -108,8 +108,9 @@ def worker(args) -> None:
         fully_shard(model, **shard)
         if spec[0] not in ("netgain", "route"):
             return model, None
+        codec, options = ("auto", {}) if spec[0] == "route" else spec[1:]  # auto-sync: auto, offered the route in train
         try:
-            return model, (fsdp.register(model, mesh) if spec[0] == "route" else fsdp.register(model, mesh, spec[1], **spec[2]))
+            return model, fsdp.register(model, mesh, codec, **options)
         except ValueError as error:
             raise Refused(str(error)) from error
 
@@ -165,9 +166,8 @@ def worker(args) -> None:
             train_s += step_times[-1]
             optimizer.zero_grad(set_to_none=True)
             if local:  # the syncs completed since the last step
-                done = len(outer.comm.history)  # the sync thread may append one meanwhile
-                wire.append(sum(h["wire_bytes"] for h in outer.comm.history[synced:done]))
-                synced = done
+                sent, synced = tta.synced_bytes(outer.comm.history, synced)
+                wire.append(sent)
             else:
                 wire.append(native_wire if state is None else stats.last_step["wire_bytes"])
             held.append(None if state is None else stats.last_step.get("held_s", 0.0))  # none in a local step
@@ -181,13 +181,13 @@ def worker(args) -> None:
                 if target is not None and curve[-1][2] <= target and step + 1 >= args.budget:
                     break
             if len(step_times) == tta.FIRST_STEPS + 1:
-                # a local-step route's steps differ by design: the mean, which holds its syncs
-                stepped_alone = local or any(plan == "local" for _, plan, _ in plans)  # auto-sync local by now
-                steady = torch.tensor((statistics.mean if stepped_alone else statistics.median)(step_times[1:]))
+                steady, alone = tta.steady_step(step_times, local, plans)
+                steady = torch.tensor(steady)
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
-                best_steady[0] = min(best_steady[0], steady)
+                if not alone:
+                    best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
         if stats is not None:
@@ -350,7 +350,8 @@ def report(rows: list[dict], summary: list[dict], meta: dict, out: Path) -> None
              + f"; each contestant stops at the first validation at or below it after at least {meta['budget']} "
              f"steps, at most {meta['cap']} x {meta['target_step']}. {meta['warmup']} untimed steps per contestant "
              f"first; contestants interleaved within each round. A contestant whose steady step (median of steps "
-             f"1-{tta.FIRST_STEPS}, the mean for sync-* and an auto-sync local by then, whose syncs it holds; slowest rank) was over {meta['leave_above']:g}x the best so far left the race "
+             f"1-{tta.FIRST_STEPS}, the mean for sync-* and an auto-sync local by then, whose syncs it holds; slowest rank) was "
+             f"over {meta['leave_above']:g}x the best so far of the per-step contestants (local steps skip the link) left the race "
              "('not reached').",
              "Time to target: step times (barrier to optimizer step; validations excluded) up to the crossing, "
              "interpolated between validations; median over rounds (min-max). x native: per-round ratio of native "
@@ -525,7 +526,7 @@ def main(argv=None) -> int:
             skipped.update(refused)
     meta = {"title": "Time to target validation loss for HSDP on the two-node lab: native FSDP2 vs netgain on "
                      "the cross-node all-reduce (interleaved)",
-            "machine": f"{cpu_model()}, {os.cpu_count()} cores, {NODES * PER_NODE} workers of 1 torch thread",
+            "machine": f"{cpu_name()}, {os.cpu_count()} cores, {NODES * PER_NODE} workers of 1 torch thread",
             "commit": commit,
             "command": "python " + " ".join(sys.argv), "load": load, "skipped": skipped,
             **{k: getattr(args, k) for k in ("rates", "hidden", "layers", "batch_size", "seq_len", "lr", "rounds",

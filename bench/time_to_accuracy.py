@@ -167,6 +167,22 @@ class PostLocalSGD:
         """Nothing to drain (same interface as CommState)."""
 
 
+def steady_step(step_times: list[float], local: bool, plans: list) -> tuple[float, bool]:
+    """This rank's steady step, and whether the contestant stepped alone: a local-step route (``local``) or auto's
+    route once local (``plans``: its [step, plan, trying] runs so far). The median of steps 1-FIRST_STEPS; the mean
+    where it stepped alone, whose steps differ by design (the mean holds its averages), and which then sets no bar
+    for per-step routes: its steps skip the link."""
+    alone = local or any(plan == "local" for _, plan, _ in plans)
+    return (statistics.mean if alone else statistics.median)(step_times[1:]), alone
+
+
+def synced_bytes(history: list[dict], seen: int) -> tuple[int, int]:
+    """The wire bytes of a sync's records appended since the first ``seen``, and how many it holds now (its thread
+    may append one meanwhile: that one counts next time)."""
+    done = len(history)
+    return sum(h["wire_bytes"] for h in history[seen:done]), done
+
+
 def crossing(curve: list[tuple], target: float) -> tuple[float, float] | None:
     """(step, seconds) where the validation curve [(step, seconds, loss)] first reaches the target, interpolated."""
     for (s0, t0, l0), (s1, t1, l1) in zip(curve, curve[1:]):
@@ -309,9 +325,8 @@ def worker(args) -> None:
             if plan is not None and (not plans or plans[-1][1:] != [str(plan[0]), bool(plan[1])]):
                 plans.append([step, str(plan[0]), bool(plan[1])])  # auto/kimad: the plan's runs, and whether on trial
             if spec is not None and spec[0] == "sync":  # the syncs completed since the last step
-                done = len(state.comm.history)  # the sync thread may append one meanwhile
-                wire.append(sum(h["wire_bytes"] for h in state.comm.history[synced:done]))
-                synced = done
+                sent, synced = synced_bytes(state.comm.history, synced)
+                wire.append(sent)
             else:
                 wire.append(state.last_step["wire_bytes"] if state is not None else 4 * numel)
             if eval_every and (step + 1) % eval_every == 0:
@@ -326,13 +341,12 @@ def worker(args) -> None:
                 dist.all_reduce(over, dist.ReduceOp.MAX)  # one rank's median over the bar puts the slowest's over
                 sure_over = over.item() > FIRST_STEPS // 2
             if len(step_times) == FIRST_STEPS + 1 or sure_over:  # a local-step route's steady step has an average
-                # auto's route, local (or on trial) by now, counts as a local-step route (plans: its phases so far)
-                stepped_alone = local or any(plan == "local" for _, plan, _ in plans)
-                steady = torch.tensor((statistics.mean if stepped_alone else statistics.median)(step_times[1:]))
+                steady, alone = steady_step(step_times, local, plans)
+                steady = torch.tensor(steady)
                 dist.all_reduce(steady, dist.ReduceOp.MAX)
                 steady = steady.item()
                 left = may_leave and steady > args.leave_above * best_steady[0]
-                if not stepped_alone:  # its steps skip the link: no yardstick for per-step routes
+                if not alone:
                     best_steady[0] = min(best_steady[0], steady)
                 if left:
                     break
