@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import io
 import json
+import statistics
 import time
 
 import pytest
@@ -791,6 +792,45 @@ def test_prices_stand_for_the_first_finite_rate_and_an_infinite_one_is_no_rate()
     planner.monitor.agreed.append(6e6)
     planner._price_plan(0.5)
     assert planner._priced_rate == 6e6
+
+
+@pytest.mark.parametrize("rate, step_s, dropped", [(14e6, 0.5, False),   # a rise the steps do not show: a burst
+                                                   (14e6, 0.3, True),    # the running plan's steps sped up with it
+                                                   (1e6, 0.5, False),    # a fall the steps do not show
+                                                   (1e6, 0.8, True)])    # they slowed down with it
+def test_measured_prices_stand_until_the_running_plans_steps_witness_the_rates_move(rate, step_s, dropped):
+    """A fitted rate beyond REPRICE of the one the prices stand for drops them only where the running plan's next
+    TRIAL_STEPS - TRIAL_SKIP steps move the same way by over WITNESS; the decision is kept in a checkpoint."""
+    planner = comm.AutoConfig().build()
+    running, other = ((0, 100, 3),), ((0, 100, 4),)
+    planner._plan_key, planner._plan_steps, planner._priced_rate = running, 10, 4e6
+    planner._running.extend([0.5] * 8)
+    planner._periods = {running: 0.5, other: 0.6}
+    planner.monitor.agreed.append(rate)
+    planner._watch_rate()
+    for _ in range(TRIAL_STEPS - TRIAL_SKIP - 1):
+        planner._price_plan(step_s)
+    resumed = comm.AutoConfig().build()
+    resumed.load_state_dict(torch.load(io.BytesIO(_saved(planner.state_dict())), weights_only=True))
+    for p in (planner, resumed):
+        p._plan_key, p._plan_steps = running, 10
+        p._running.extend(planner._running)
+        p._price_plan(step_s)
+        assert p._witness is None
+        assert (other not in p._periods) == dropped
+        assert p._periods[running] == (step_s if dropped else statistics.median([0.5] * 8 + [step_s] * 6))
+        assert p._priced_rate == (rate if dropped else 4e6)
+
+
+def test_a_new_plan_witnesses_no_move_of_the_rate():
+    """The plan changing while the rate's move is watched ends the watch: the measured prices stand."""
+    planner = matrix_planner(None, mode="auto")
+    running = planner._plan_key
+    another = ((0, 1_000_000, next(o for o in range(4) if o != running[0][2])),)
+    planner._plan_key, planner._periods = another, {another: 9.0}  # measured far dearer: not chosen again
+    planner._witness = [9.0, [5.0], True]
+    planner._solve(2)
+    assert planner._plan_key == running and planner._witness is None and planner._periods == {another: 9.0}
 
 
 class OneRankLink:

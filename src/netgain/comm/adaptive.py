@@ -56,7 +56,8 @@ at that rate and does not climb, since a shaper's burst passes small messages at
 sustain for large ones; before any rate is measured it plans with the fastest rate a collective achieved (a
 lower bound, BandwidthMonitor.floor), and it scales the plans not yet measured by how far the running plan's
 steps overran the model (`overrun`). It re-plans when its errors are measured (replan_every), when the link's rate
-moves by more than replan_threshold, and when a plan it tries has its measured price.
+moves by more than replan_threshold, and when a plan it tries has its measured price. Measured prices stand until
+the rate moves beyond REPRICE and the running plan's own steps move with it (WITNESS).
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ AWAIT_S = 20.0
 # 0.138-0.157 s over 40 steps, and in 2 of 3 rounds auto kept low rank and took 129-132 steps to the fp16 hook's 117-118
 TIE = 0.05
 REPRICE = 2.0  # auto's measured prices stand until the link's rate moves beyond 2x (a link change, not an estimate's noise)
+# ... and the running plan's own steps move with it by over 10% (WITNESS), measured over TRIAL_STEPS - TRIAL_SKIP steps: the
+# fitted rate is a model, the steps are what the link did. Under HSDP at 50 Mbit/s on the lab the fitted rate rose 3.6x
+# right after a low-rank trial with no change of link, the dropped prices priced fp16 at 0.254 s a step against its
+# measured 0.598, and auto tried it again, into steps 37-49 of 120
+WITNESS = 0.1
 RISE_VOLUME = 0.5  # auto's monitor: a higher rate counts only if measured on collectives at least half the largest behind it
 OVERRUN_WINDOW = 20  # steps of measured / predicted communication behind the plan's margin
 OVERRUN_EXCEEDANCE = 0.05  # the chance, at most, that a step overruns the margin (where the window allows)
@@ -182,6 +188,7 @@ class AdaptivePlanner:
         self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
         self._cheapest: list[float] | None = None         # auto: [the cheapest's price, a cold one's too; the link's volume then]
         self._priced_rate: float | None = None            # auto: the link's rate when the measured prices began
+        self._witness: list | None = None                 # auto: [the running plan's price, its steps since the rate moved, rose]
         self.warm: set[tuple[int, int]] = set()           # auto: (bucket, option) to run once, its output dropped (prepare)
         self._warmed: set[tuple[int, int]] = set()        # auto: (bucket, option) that ran: its kernels compiled or compiling
         self._awaiting = False                            # auto: a trial waits for the kernels its warm-up began compiling
@@ -321,9 +328,8 @@ class AdaptivePlanner:
         if measured:
             self._agree_errors(link)
         moved = self._link_moved()
-        if moved and self._priced_rate and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE:
-            self._periods.clear()  # measured on another link
-            self._priced_rate = None
+        if moved:
+            self._watch_rate()
         replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed
                                                                      or starved)
         if replanned:
@@ -399,7 +405,7 @@ class AdaptivePlanner:
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
-                "priced_rate": self._priced_rate, "plan": self._plan_state()}
+                "priced_rate": self._priced_rate, "witness": self._witness, "plan": self._plan_state()}
 
     def _plan_state(self) -> dict:
         """The plan (bucket, numel, option index), the errors and shapes it was solved on, and how far it is priced."""
@@ -422,7 +428,7 @@ class AdaptivePlanner:
         self._compute.clear()
         self._compute.extend(state.get("compute", []))
         self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
-        self._priced_rate = state.get("priced_rate")
+        self._priced_rate, self._witness = state.get("priced_rate"), state.get("witness")
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
         if "plan" in state:  # (a state saved without it re-plans from the next step's measurements)
@@ -534,7 +540,7 @@ class AdaptivePlanner:
         self.climbing = any(not row[w] for row, w in zip(held, wanted))
         key = self._key(indices, choice)
         if key != self._plan_key:  # a new plan's step times price it from its first steps
-            self._plan_key, self._plan_steps = key, 0
+            self._plan_key, self._plan_steps, self._witness = key, 0, None  # (another plan witnesses nothing: prices stand)
             self._running.clear()
             self._beside_compiles.clear()
             self._plan_overrun_steps = 0
@@ -677,6 +683,10 @@ class AdaptivePlanner:
             # rate was fitted (REPRICE); the 9b51ccf grid's plans show a second trial of low rank in 2 rounds of 3
             self._priced_rate = self.monitor.bandwidth
         (self._beside_compiles if compiling else self._running).append(period_s)
+        if self._witness is not None and not compiling:
+            self._witness[1].append(period_s)
+            if len(self._witness[1]) >= TRIAL_STEPS - TRIAL_SKIP:
+                self._reprice(*self._witness)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
         clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
         # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
@@ -685,6 +695,26 @@ class AdaptivePlanner:
         outpriced = (bool(self._running) and self._best_price is not None
                      and self._running_price() > TRIAL_RANGE * self._best_price)
         return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
+
+    def _watch_rate(self) -> None:
+        """auto: where the rate moved beyond REPRICE from the one the measured prices stand for, watch whether the
+        running plan's steps move with it (_reprice)."""
+        if (self._priced_rate and self._witness is None and self._plan_key in self._periods
+                and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE):
+            self._witness = [self._periods[self._plan_key], [], self.monitor.bandwidth > self._priced_rate]
+
+    def _reprice(self, price: float, steps: list[float], rose: bool) -> None:
+        """auto: the link's rate moved beyond REPRICE; the running plan's steps since then witness it. Moved with it
+        by over WITNESS (faster for a rise, slower for a fall): the measured prices are another link's, dropped. Else
+        they stand, for the rate they were measured at (a plan sending few bytes witnesses little: a faster link is
+        followed as far as the running plan's steps show it)."""
+        now = statistics.median(steps)
+        if now * (1 + WITNESS) < price if rose else now > price * (1 + WITNESS):
+            self._periods.clear()
+            self._running.clear()
+            self._running.extend(steps)  # the running plan's price: its steps on the new link
+            self._priced_rate = self.monitor.bandwidth
+        self._witness = None
 
     def _reachable(self, indices: list[int], sizes: list[list[float]], safe: list[list[bool]]) -> list[list[bool]]:
         """The safe options the buckets may move to from the current plan: any smaller, and larger ones up
