@@ -281,11 +281,6 @@ def sharded(rank, world_size):
             outer.after_inner_step()
             every = replicas(shard())
             out["steps"].append(float((every[0] - mean).abs().max()) if torch.equal(*every) else "differ")
-        try:
-            outer.state_dict()
-            out["checkpoint"] = "no error"
-        except NotImplementedError as error:
-            out["checkpoint"] = str(error)
         inner_step(6)
         outer.after_inner_step()
         inner_step(7)  # a sync is due after it
@@ -305,15 +300,92 @@ def sharded(rank, world_size):
 def test_under_fsdp2_each_rank_syncs_its_shard_with_the_other_replicas():
     """DiLoCo across nodes with FSDP2 inside each: the sync averages each rank's local shards over the replicate
     group (its replicas then equal, the mean within fp32 rounding) and leaves them alone between syncs; a group
-    spanning the shard mesh is refused, naming the group to pass; a checkpoint, not built for shards, is refused;
-    a NaN in one shard position's average raises NonFiniteGradientError on every rank of the mesh."""
+    spanning the shard mesh is refused, naming the group to pass; a NaN in one shard position's average raises
+    NonFiniteGradientError on every rank of the mesh."""
     for rank, (status, value) in enumerate(run(sharded, 4, timeout=150)):
         assert status == "ok", value
         assert ("not finite" if rank % 2 else "the replicas of shard 1 raised NonFiniteGradientError") in value["nan"]
         assert "pass process_group=mesh['replicate'].get_group()" in value["refused"], value
         assert [s == "differ" for s in value["steps"]] == [True, False] * 3, value
         assert all(s < 1e-6 for s in value["steps"][1::2]), value
-        assert value["checkpoint"].startswith("netgain.sync checkpoints replicated parameters only"), value
+
+
+def sharded_resume(rank, world_size, path):
+    """FSDP2 on a 2 x 2 mesh (the last layer's 3 rows sharded 2 + 1), DiLoCo's outer Nesterov step, 4-bit gqsgd, 2
+    fragments, averages applied a step late: 6 inner steps, a DCP checkpoint (model, optimizer, sync) with an average
+    on the wire, 4 more steps; then the checkpoint loaded (model and optimizer first, then the sync's each-rank parts)
+    and the 4 steps again. Whether the replicas differed when saved, and whether every rank's shards, optimizer state
+    and outer state came out bit for bit; then a sync of another period refused before any tensor loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from netgain.comm.fsdp import load_checkpoint
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    group = mesh.get_group("replicate")
+    outer = wrap(model, optimizer, process_group=group, period=4, bits=4, fragments=2, overlap_steps=1)
+
+    def step(t):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        outer.step()
+
+    def snapshot():
+        shards = [p.detach().to_local().clone() for p in model.parameters()]
+        inner = [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                 for s in optimizer.state.values() for v in s.values()]
+        flats = [t.clone() for f in outer.fragments for t in (f.global_, f.momentum)]
+        return shards + inner + flats + [torch.tensor(outer.inner_steps)]
+
+    out = {}
+    try:
+        for t in range(6):
+            step(t)
+        every = [None] * world_size
+        dist.all_gather_object(every, snapshot()[0])
+        out["replicas_differ"] = not torch.equal(every[rank], every[(rank + 2) % 4])
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "sync": outer}, checkpoint_id=path)
+        out["pending_saved"] = len(outer._pending)
+        for t in range(6, 10):
+            step(t)
+        first = snapshot()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        load_checkpoint(state, path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        load_checkpoint({"sync": outer}, path)
+        for t in range(6, 10):
+            step(t)
+        out["equal"] = all(torch.equal(a, b) for a, b in zip(first, snapshot()))
+        outer.wait()  # the sync thread idle: wrap's collectives share its group
+        other = wrap(model, optimizer, process_group=group, period=8, bits=4, fragments=2, overlap_steps=1)
+        try:
+            load_checkpoint({"sync": other}, path)
+            out["other"] = "no error"
+        except ValueError as error:
+            out["other"] = str(error)
+        other.close()
+    finally:
+        outer.close()
+    return out
+
+
+def test_under_fsdp2_a_dcp_checkpoint_resumes_every_ranks_shards_bit_for_bit(tmp_path):
+    """DCP saves one replica's model and optimizer; the sync's state gives every rank its own back after local
+    steps, and its outer state, so a resume repeats the run bit for bit; another config is refused by name."""
+    for status, value in run(sharded_resume, 4, str(tmp_path / "ckpt"), timeout=180):
+        assert status == "ok", value
+        assert value["replicas_differ"] and value["pending_saved"] == 1 and value["equal"], value
+        assert "the checkpoint's sync config differs in ['period']" in value["other"], value
 
 
 def started(rank, world_size):

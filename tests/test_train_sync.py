@@ -79,8 +79,25 @@ def test_lm_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
     assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-3:]) < sum(losses[:3])
 
 
+def test_under_fsdp_a_resume_repeats_the_straight_run_bit_for_bit(tmp_path):
+    """--fsdp --sync on a 2 x 2 mesh: each replica steps alone, its shards synced with the other replica's every 4
+    steps (2 fragments, an average on the wire at step 6). 12 steps straight == resuming the step-6 DCP checkpoint in
+    fresh processes for 6 more: the same losses (each rank's own shards and AdamW state came back, not DCP's one
+    copy of the model)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 200)
+    common = ["--fsdp", "--replicas", "2", "--shards", "2", "--sync", "--sync-period", "4", "--fragments", "2",
+              "--outer-lr", "0.7", "--outer-momentum", "0.9", "--data", str(text), "--hidden-size", "64",
+              "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--steps", "12", "--eval-every", "0"]
+    assert run_train(*common, "--checkpoint", str(tmp_path / "straight-{step}"), "--checkpoint-every", "6",
+                     "--out", str(tmp_path / "straight")) == 0
+    assert run_train(*common, "--resume", str(tmp_path / "straight-6"), "--out", str(tmp_path / "resumed")) == 0
+    losses = record(tmp_path / "straight")["per_step"]["train_loss"]
+    assert record(tmp_path / "resumed")["per_step"]["train_loss"] == losses[6:]
+    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-3:]) < sum(losses[:3])
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--fsdp", "--replicas", "1", "--shards", "2"], "--fsdp does not run with --sync"),
     (["--comm-budget-ms", "5"], "--comm-budget-ms is an option of the per-step route, not of --sync, which takes "
      "--codec none, fp16, bf16, qsgd, gqsgd, gqsgd-exp and --sync-period, --sync-bits, --outer-lr"),
     (["--bits", "4"], "--bits is an option of the per-step route"),

@@ -40,7 +40,9 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
+import json
 import numbers
 import statistics
 import time
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -60,7 +63,7 @@ from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
-from .comm.fsdp import FSDPCommState, raise_on_every_shard
+from .comm.fsdp import FSDPCommState, laid, raise_on_every_shard, unlaid
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
@@ -238,6 +241,9 @@ class SyncOptimizer:
         self.config, self.optimizer, self.inner_steps = config, optimizer, 0
         meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
         self._sharded = bool(meshes)
+        self._shard_mesh = meshes[0] if meshes else None  # under FSDP2: this rank's replica, one rank per shard
+        # under FSDP2 every shard position's: the whole parameters' names and shapes, not its shards'
+        self._model = _signature([(n, p) for n, p in model.named_parameters() if p.requires_grad])
         # FSDP2: a failed average (NaN/Inf, a mismatch) is raised on its replicas only, so the other shard
         # positions learn of it over the shard mesh, else they would wait in FSDP's next all-gather. False: the
         # caller does it (the route, through netgain.comm.fsdp's step verdict: its shard positions may not sync at
@@ -372,13 +378,13 @@ class SyncOptimizer:
         codec state and, per rank, its local parameters and inner optimizer state: save rank 0's alone
         and load it on every rank, in place of saving the model and the inner optimizer. Tensors,
         numbers, strings, lists and dicts only: read it with torch.load(path, weights_only=True).
-        NotImplementedError for FSDP2's sharded parameters, whose state is each shard position's own and
-        would go through DCP: not built yet.
+
+        Under FSDP2 (sharded parameters) a DCP Stateful instead (`_sharded_state`): save it with the model and
+        optimizer through torch.distributed.checkpoint, on every rank, and load it with
+        netgain.comm.fsdp.load_checkpoint after them.
         """
         if self._sharded:
-            raise NotImplementedError("netgain.sync checkpoints replicated parameters only: under FSDP2 each shard "
-                                      "position's global copy, momentum and inner state are its own, a DCP state "
-                                      "not built yet")
+            return self._sharded_state()
         self._settle()
         local = {"params": {n: p.detach().cpu().clone() for f in self.fragments for n, p in zip(f.names, f.params)},
                  "optimizer": _to_cpu(self.optimizer.state_dict())}
@@ -400,6 +406,9 @@ class SyncOptimizer:
         ValueError for a state of another config, world size or model, or one that is malformed.
         Averages on the wire when it is called are dropped.
         """
+        if self._sharded:
+            self.load_parts(state, self.check_header(state.get("header")))
+            return
         rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         shapes = {n: tuple(p.shape) for f in self.fragments for n, p in zip(f.names, f.params)}
         _check_state(state, self.config.describe(), world, shapes, [f.global_.numel() for f in self.fragments])
@@ -423,6 +432,107 @@ class SyncOptimizer:
         self.optimizer.load_state_dict(local["optimizer"])
         self.inner_steps = state["step"]
 
+    # ---- checkpoints under FSDP2: each shard position's state, and each rank's own, through DCP ------
+    def _sharded_state(self) -> dict:
+        """A DCP Stateful's state: ``header``, every shard position's JSON header (`position_header`), gathered over the
+        shard mesh, and this position's parts (`sharded_parts`). Collective over the whole mesh."""
+        parts = self.sharded_parts()
+        headers = [None] * self._shard_mesh.size()
+        dist.all_gather_object(headers, self.position_header(), group=self._shard_mesh.get_group())
+        return {"header": json.dumps(headers), **parts}
+
+    def sharded_parts(self) -> dict[str, DTensor]:
+        """This shard position's state as DTensors over its replicas (comm.fsdp.laid), keyed ``part.position``. What
+        the replicas hold alike, one copy: ``global``, ``momentum``, ``average`` (the fragments' scratch, holding
+        the averages still to apply). What each rank holds alone after local steps: ``params`` (its shards, in their
+        widest dtype) and ``inner.<dtype>`` (its inner optimizer's tensors): DCP saves one replica's model and
+        optimizer, so these give each rank its own back. No collective: the sync thread's are waited for."""
+        self._settle()
+        replicas = DeviceMesh.from_group(self.process_group, self.fragments[0].global_.device.type)
+        position = self._shard_mesh.get_local_rank()
+        return {f"{key}.{position}": laid(torch.cat([t.detach().reshape(-1).to(self._widest()) if key == "params"
+                                                     else t.reshape(-1) for t in tensors]),
+                                          replicas, per_rank=key == "params" or key.startswith("inner."))
+                for key, tensors in self._parts().items()}
+
+    def _parts(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's sharded state, by part, as the tensors each part flattens (`sharded_parts`)."""
+        parts = {key: [getattr(f, attr) for f in self.fragments]
+                 for key, attr in (("global", "global_"), ("momentum", "momentum"), ("average", "delta"))}
+        parts["params"] = [p for f in self.fragments for p in f.params]
+        parts.update((f"inner.{dtype}", tensors) for dtype, tensors in self._inner_tensors().items())
+        return parts
+
+    def _widest(self) -> torch.dtype:
+        """The parameters' widest dtype, which holds every one's values exactly."""
+        return functools.reduce(torch.promote_types, (p.dtype for f in self.fragments for p in f.params))
+
+    def _inner_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The inner optimizer's state tensors on this rank (a DTensor's local shard), by dtype, in its order."""
+        tensors: dict[str, list[torch.Tensor]] = {}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in sorted(self.optimizer.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        value = value.to_local() if isinstance(value, DTensor) else value
+                        tensors.setdefault(str(value.dtype).removeprefix("torch."), []).append(value)
+        return tensors
+
+    def position_header(self) -> dict:
+        """This shard position's header, alike on its replicas: the format, config, replicas (world_size), model,
+        step, codec step, the averages on the wire and each part's dtype and size."""
+        return {"format": FORMAT, "config": self.config.describe(), "world_size": dist.get_world_size(self.process_group),
+                "model": self._model, "step": self.inner_steps, "comm_step": self.comm.step,
+                "pending": [[s.fragment.index, s.due] for s in self._pending],
+                "parts": {key: [str(self._widest() if key == "params" else tensors[0].dtype).removeprefix("torch."),
+                                sum(t.numel() for t in tensors)] for key, tensors in self._parts().items()}}
+
+    def check_header(self, header) -> dict:
+        """This shard position's saved header (from `_sharded_state`'s JSON list) as a dict, or ValueError naming
+        what differs from this run (`check_position`)."""
+        try:
+            saved = json.loads(header) if isinstance(header, str) else None
+        except ValueError:
+            saved = None
+        if not (isinstance(saved, list) and len(saved) == self._shard_mesh.size()):
+            raise ValueError(f"not a netgain sync state of {self._shard_mesh.size()} shard positions (its header is "
+                             "not one per position, from SyncOptimizer.state_dict() under FSDP2)")
+        return self.check_position(saved[self._shard_mesh.get_local_rank()])
+
+    def check_position(self, saved) -> dict:
+        """``saved`` if it is this shard position's header of this run's config, replicas, model and inner optimizer
+        state (load that first), else ValueError naming what differs or what is malformed."""
+        mine = json.loads(json.dumps(self.position_header()))
+        check_saved(saved, FORMAT, mine["config"], "sync", mine["world_size"],
+                    "each rank's local parameters and inner optimizer state are its own")
+        for key, what in (("model", "model"), ("parts", "parts (the inner optimizer's state: load it, through DCP, "
+                                                         "before the sync's)")):
+            if saved.get(key) != mine[key]:
+                raise ValueError(f"the sync state does not fit this run: its {what} was {saved.get(key)!r}, "
+                                 f"this run's is {mine[key]!r}")
+        pending, comm_step = saved.get("pending"), saved.get("comm_step")
+        if not (type(comm_step) is int and comm_step >= 0 and isinstance(pending, list) and all(
+                isinstance(e, list) and len(e) == 2 and all(type(v) is int for v in e) and 0 <= e[0] < len(self.fragments)
+                and e[1] > saved["step"] for e in pending)):
+            raise ValueError("the sync state is malformed: its header needs comm_step (an integer >= 0) and pending, "
+                             "[fragment, due after a later step] per average on the wire")
+        return saved
+
+    @torch.no_grad()
+    def load_parts(self, parts: dict, header: dict) -> None:
+        """Restore this shard position's parts (loaded in place by DCP) and its checked ``header``."""
+        concurrent.futures.wait([sync.done for sync in self._pending])
+        self._pending.clear()
+        position = self._shard_mesh.get_local_rank()
+        for key, tensors in self._parts().items():
+            for tensor, saved in zip(tensors, unlaid(parts[f"{key}.{position}"]).split([t.numel() for t in tensors])):
+                tensor.copy_(saved.view(tensor.shape))
+        for index, due in header["pending"]:
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            self._pending.append(_Sync(self.fragments[index], due, done))
+        self.inner_steps, self.comm.step = header["step"], header["comm_step"]
+
     def close(self) -> None:
         """Wait for the sync thread's collectives, then stop it; averages not yet applied are dropped (call
         `wait()` first to apply them). Call before destroying the process group."""
@@ -442,8 +552,6 @@ ROUTE = SyncConfig(period=8, bits=4, outer_lr=1.0, outer_momentum=0.0, nesterov=
 ROUTE_STEPS = 1.2
 ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial, and is priced on the last
 ROUTE_FORMAT = "netgain.route/1"
-ROUTE_UNDER_FSDP = ("netgain.sync's route checkpoints under DDP only: under FSDP2 the hook's state goes through DCP and "
-                    "the local steps' sharded state is not built yet")
 
 
 class LocalRoute:
@@ -464,7 +572,8 @@ class LocalRoute:
 
     ``phase``: "per-step", "trial" or "local"; ``sync``: the SyncOptimizer while local (its ``comm`` has the
     averages' statistics). `state_dict()` / `load_state_dict()` checkpoint the hook's state with the route's:
-    save rank 0's alone, in place of the comm state, model and optimizer (under DDP only).
+    under DDP save rank 0's alone, in place of the comm state, model and optimizer; under FSDP2 it is a DCP
+    Stateful, saved beside the model and optimizer and loaded after them (netgain.comm.fsdp.load_checkpoint).
     """
 
     def __init__(self, state: CommState, model: "DistributedDataParallel | FSDPModule", optimizer: torch.optim.Optimizer,
@@ -653,36 +762,80 @@ class LocalRoute:
 
     def state_dict(self) -> dict:
         """The hook's state and the route's, while local the SyncOptimizer's (every rank's parameters and inner
-        optimizer state): collective, call it on every rank between steps. Under FSDP2 NotImplementedError: the
-        hook's state is a DCP Stateful and the SyncOptimizer's sharded state is not built yet."""
-        if self.ddp is None:
-            raise NotImplementedError(ROUTE_UNDER_FSDP)
-        return {"format": ROUTE_FORMAT, "comm": self.state.state_dict(), "phase": self.phase, "price": self.price,
-                "route_price": self.route_price, "early": self._early, "measured": self._measured,
-                "times": list(self._times), "waits": list(self._waits),
-                "sync": self.sync.state_dict() if self.sync is not None else None}
+        optimizer state): collective, call it on every rank between steps. Under FSDP2 a DCP Stateful's state: a
+        JSON ``header`` (the hook's header, and each shard position's route fields and SyncOptimizer header: what
+        netgain.comm.fsdp.load_checkpoint checks first, `check_header`), the hook's state under ``comm`` and
+        the SyncOptimizer's parts under ``sync``."""
+        route = {"format": ROUTE_FORMAT, "phase": self.phase, "price": self.price, "route_price": self.route_price,
+                 "early": self._early, "measured": self._measured, "times": list(self._times), "waits": list(self._waits)}
+        if self.ddp is not None:
+            return {**route, "comm": self.state.state_dict(),
+                    "sync": self.sync.state_dict() if self.sync is not None else None}
+        comm, parts = self.state.state_dict(), self.sync.sharded_parts() if self.sync is not None else None
+        # each shard position's, as its replicas' first rank holds it (the times are each rank's: under DDP rank
+        # 0's), gathered over the shard mesh: positions choose their phase each for itself
+        mine = [{**route, "sync": self.sync.position_header() if self.sync is not None else None}]
+        dist.broadcast_object_list(mine, src=dist.get_global_rank(self.state.process_group, 0),
+                                   group=self.state.process_group)
+        routes = [None] * self.state.shards
+        dist.all_gather_object(routes, mine[0], group=self.state.shard_group)
+        header = json.dumps({"comm": comm["header"], "routes": routes})
+        return {"header": header, "comm": comm, **({"sync": parts} if parts is not None else {})}
+
+    def check_header(self, header) -> dict:
+        """Under FSDP2, before DCP loads a tensor: this shard position's saved route fields as a dict, the hook's
+        header and the SyncOptimizer's checked (ValueError naming what differs), and the saved phase entered, so
+        that `state_dict()` then has the parts DCP loads in place."""
+        try:
+            saved = json.loads(header) if isinstance(header, str) else {}
+        except ValueError:
+            saved = {}
+        routes = saved.get("routes") if isinstance(saved, dict) else None
+        if not (isinstance(routes, list) and len(routes) == self.state.shards):
+            raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} for {self.state.shards} shard "
+                             "positions (from LocalRoute.state_dict() under FSDP2)")
+        self.state.check_header(saved.get("comm"))
+        route = _check_route(routes[self.state.shard])
+        self._resume_phase(route)
+        if self.sync is not None:
+            self.sync.check_position(route["sync"])
+        return route
 
     def load_state_dict(self, saved: dict) -> None:
-        """Resume what `state_dict()` returned, on every rank; ValueError for anything else (NotImplementedError
-        under FSDP2, as `state_dict`)."""
+        """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
         if self.ddp is None:
-            raise NotImplementedError(ROUTE_UNDER_FSDP)
-        if not (isinstance(saved, dict) and saved.get("format") == ROUTE_FORMAT
-                and saved.get("phase") in ("per-step", "trial", "local", "per-step-chosen")
-                and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))
-                and not (saved.get("measured") and saved["phase"] != "per-step")):
-            raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
-        self.state.load_state_dict(saved["comm"])
-        if self.sync is not None:
+            route = self.check_header(saved.get("header") if isinstance(saved, dict) else None)
+            self.state.load_state_dict(saved["comm"])
+            if self.sync is not None:
+                self.sync.load_parts(saved["sync"], route["sync"])
+        else:
+            route = _check_route(saved)
+            self.state.load_state_dict(saved["comm"])
+            self._resume_phase(saved)
+            if self.sync is not None:
+                self.sync.load_state_dict(saved["sync"])
+        self.phase, self.price, self.route_price = route["phase"], route["price"], route.get("route_price")
+        self._early, self._measured = bool(route.get("early", False)), bool(route.get("measured", False))
+        self._times, self._waits = [float(t) for t in route["times"]], [float(t) for t in route.get("waits", [])]
+
+    def _resume_phase(self, saved: dict) -> None:
+        """Local steps where the saved route had a SyncOptimizer (kept where one runs), per-step where it had none."""
+        if saved["sync"] is None and self.sync is not None:
             self.sync.close()
             self.sync = None
             self._local(False)
-        if saved["sync"] is not None:
+        elif saved["sync"] is not None and self.sync is None:
             self._enter(saved["phase"])
-            self.sync.load_state_dict(saved["sync"])
-        self.phase, self.price, self.route_price = saved["phase"], saved["price"], saved.get("route_price")
-        self._early, self._measured = bool(saved.get("early", False)), bool(saved.get("measured", False))
-        self._times, self._waits = [float(t) for t in saved["times"]], [float(t) for t in saved.get("waits", [])]
+
+
+def _check_route(saved) -> dict:
+    """``saved`` if it holds a route's fields (LocalRoute.state_dict()), else ValueError."""
+    if not (isinstance(saved, dict) and saved.get("format") == ROUTE_FORMAT
+            and saved.get("phase") in ("per-step", "trial", "local", "per-step-chosen")
+            and isinstance(saved.get("times"), list) and (saved.get("sync") is None) == (saved["phase"] not in ("trial", "local"))
+            and not (saved.get("measured") and saved["phase"] != "per-step")):
+        raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} (from LocalRoute.state_dict())")
+    return saved
 
 
 def _mean(tensors: list[torch.Tensor], dtype: torch.dtype, group) -> None:

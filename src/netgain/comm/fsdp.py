@@ -94,8 +94,8 @@ class FSDPCommState(CommState):
         super().__init__(config, process_group=mesh.get_group(REPLICATE), param_names=param_names)
         self.mesh, self.overlap = mesh, overlap
         self._overlapping = False  # this step's groups cross the link while the backward goes on (`_overlaps`)
-        self._shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
-        self._shard, self._shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
+        self.shard_group = mesh.get_group(SHARD)  # this rank's replica: one rank of each shard position
+        self.shard, self.shards = mesh.get_local_rank(SHARD), mesh[SHARD].size()
         self._groups: dict[int, list] = {}  # group index -> its FSDPParams, in FSDP's order
         self._param_groups: dict[int, object] = {}  # group index -> its FSDPParamGroup
         self._flat_layouts: dict[int, tuple[tuple, BucketLayout]] = {}
@@ -175,7 +175,7 @@ class FSDPCommState(CommState):
                 self.end_step()
         except Exception as failed:  # the planner's agreement (a plan mismatch): the same on every replica
             error = error or failed
-        raise_on_every_shard(error, self._shard_group, self._device, f"netgain.comm.fsdp step {self.step - 1}")
+        raise_on_every_shard(error, self.shard_group, self._device, f"netgain.comm.fsdp step {self.step - 1}")
 
     def fail(self, error: Exception) -> None:
         """Hold ``error``, this shard position's replicas' own (the route's average of local steps), to raise at the
@@ -251,9 +251,9 @@ class FSDPCommState(CommState):
         header = self.check_header(state.get("header"))
         if self.planner is not None:
             saved = header.get("chooser")
-            if not isinstance(saved, list) or len(saved) != self._shards:
+            if not isinstance(saved, list) or len(saved) != self.shards:
                 raise ValueError(f"the checkpoint's comm header holds no {self.describe()} planner state per shard")
-            self._load_planner(saved[self._shard])
+            self._load_planner(saved[self.shard])
         memories = self._memories()
         if memories:
             local = state["local"].to_local().reshape(-1).split([memory.local.numel() for memory in memories])
@@ -266,8 +266,8 @@ class FSDPCommState(CommState):
     def _planners(self) -> list:
         """Each shard position's planner state (its replicas agreed it: every replica holds the same), gathered over
         the shard group, so that every rank saves one header and DCP's one copy of it holds them all."""
-        states = [None] * self._shards
-        dist.all_gather_object(states, self.planner.state_dict(), group=self._shard_group)
+        states = [None] * self.shards
+        dist.all_gather_object(states, self.planner.state_dict(), group=self.shard_group)
         return states
 
     def check_header(self, header) -> dict:
@@ -313,6 +313,21 @@ def raise_on_every_shard(error: Exception | None, shard_group, device: torch.dev
         kind = FAILURES[int(verdicts.max())]
         raise kind(f"{where}: the replicas of shard {', '.join(map(str, failed))} raised {kind.__name__} (named on "
                    "their ranks); every rank raises it, so that no replica steps while another stops")
+
+
+def laid(flat: torch.Tensor, replicas: DeviceMesh, per_rank: bool) -> DTensor:
+    """This rank's 1-D ``flat`` as a DTensor over its shard's ``replicas`` (the 1-D mesh of the ranks holding the same
+    shard), which DCP saves once and loads in place: per rank, (replicas, n), every rank's own; else (n,), what the
+    replicas hold alike, one copy. Shard positions differ in size: their keys tell them apart. `unlaid` takes it
+    back."""
+    if per_rank:
+        return DTensor.from_local(flat.view(1, -1), replicas, [Shard(0)], run_check=False)
+    return DTensor.from_local(flat, replicas, [Replicate()], run_check=False)
+
+
+def unlaid(laid_out: DTensor) -> torch.Tensor:
+    """This rank's part of what `laid` made (loaded in place by DCP), flat."""
+    return laid_out.to_local().reshape(-1)
 
 
 def _failure_code(error: Exception | None) -> int:
@@ -382,11 +397,13 @@ def load_checkpoint(state_dict: dict, path) -> None:
     classes only and the items load with torch.load(weights_only=True). Raises pickle.UnpicklingError
     on anything else, on every rank.
 
-    The headers of the FSDPCommState values in ``state_dict`` load first: a state of another config, mesh
-    or model raises ValueError naming what differs, on every rank, before DCP meets tensors of the
-    wrong shape (whose error would name a size only).
+    The headers of the values in ``state_dict`` that have `check_header` (FSDPCommState, netgain.sync's
+    SyncOptimizer and route under FSDP2) load first and go to it: a state of another config, mesh or model
+    raises ValueError naming what differs, on every rank, before DCP meets tensors of the wrong shape
+    (whose error would name a size only); a route's enters its saved phase there, so the state DCP then
+    loads in place has its parts.
     """
-    headers = {key: {"header": None} for key, value in state_dict.items() if isinstance(value, FSDPCommState)}
+    headers = {key: {"header": None} for key, value in state_dict.items() if hasattr(value, "check_header")}
     if headers:
         _load(headers, path, _DataOnlyPlanner(allow_partial_load=True))  # a missing header stays None: refused
         for key, loaded in headers.items():

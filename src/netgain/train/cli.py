@@ -42,9 +42,6 @@ DEFAULT_WORLD_SIZE = 2
 # DiLoCo's outer lr 0.7 and momentum 0.9 did not within 240 steps at H=4, 8 or 16 (3 rounds at 50 Mbit/s). The bench
 # ran AdamW lr 1e-3 on batches of 2 x 128 bytes per worker; this command's --lr and --batch-size defaults are not measured.
 DEFAULT_SYNC_CODEC = "gqsgd"
-# why netgain train keeps local steps off FSDP2, where the library runs them (netgain.sync.wrap / offer)
-SHARDED_SYNC = ("netgain train's --checkpoint and --resume would need netgain.sync's sharded state, not built yet; the "
-                "library runs local steps under FSDP2, docs/fsdp.md")
 DEFAULT_SYNC = {"sync_period": 8, "sync_bits": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 1}
 SYNC_CODECS = netgain.sync.CODECS
 SYNC_BITS_CODECS = tuple(name for name in SYNC_CODECS
@@ -128,17 +125,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "bytes sent per rank / RATE after it began, one collective after another; step times and "
                         "fp32's prediction are then on this link, and say so")
     parser.add_argument("--local-route", action="store_true",
-                        help="with --codec auto (DDP): offer auto the route of local steps (netgain.sync.offer). Once its "
+                        help="with --codec auto: offer auto the route of local steps (netgain.sync.offer). Once its "
                         "per-step plan is measured, and where the model prices local steps within 1.5x of it, the workers "
                         "try 2 periods of 8 local steps averaged in 4 bits, and keep them where they reach the target sooner "
-                        "(docs/sync.md). Not with --sync or --fsdp")
+                        "(docs/sync.md); under --fsdp each shard position chooses for itself. Not with --sync")
     parser.add_argument("--sync", action="store_true",
                         help="train with netgain.sync instead of a per-step hook (no DDP): each worker takes --sync-period "
                         "steps alone, then the workers average their pseudo-gradients (global minus local parameters) "
                         f"through --codec ({', '.join(SYNC_CODECS)}; default {DEFAULT_SYNC_CODEC}) and an outer SGD applies "
                         "the average (DiLoCo). Defaults H=8, 4 bits, outer lr 1, no momentum: on the bench's lm job (3 "
                         "workers at 10 and 50 Mbit/s) they reached fp32 DDP's loss, where DiLoCo's outer lr 0.7 and momentum "
-                        "0.9 did not within 240 steps (docs/sync.md). Not with --fsdp or the per-step codecs' options")
+                        "0.9 did not within 240 steps (docs/sync.md). With --fsdp each replica steps alone and syncs its "
+                        "shards with the other replicas'. Not with the per-step codecs' options")
     parser.add_argument("--sync-period", type=int, metavar="H",
                         help=f"--sync: inner steps between two syncs of a fragment, >= 1 (default {DEFAULT_SYNC['sync_period']})")
     parser.add_argument("--sync-bits", type=int,
@@ -226,8 +224,6 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         check_fsdp(config, checkpoint)
     if config.sync:
         check_sync(config)
-    if config.local_route and config.fsdp:
-        raise ValueError(f"--local-route does not run with --fsdp: {SHARDED_SYNC}")
     if config.local_route and (config.codec != "auto" or config.sync):
         raise ValueError("--local-route is a route of --codec auto, not of "
                          + ("--sync" if config.sync else f"--codec {config.codec}"))
@@ -252,8 +248,6 @@ def check_route(args: argparse.Namespace) -> None:
             if getattr(args, name) is not None:
                 raise ValueError(f"{flag(name)} applies with --sync only")
         return
-    if args.fsdp:
-        raise ValueError(f"--fsdp does not run with --sync: {SHARDED_SYNC}; leave out --fsdp, --replicas and --shards")
     defaults = vars(_parser().parse_args([]))
     for name in PER_STEP_OPTIONS:
         if getattr(args, name) != defaults[name]:

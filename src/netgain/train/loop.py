@@ -141,7 +141,9 @@ class Trainer:
             for block in self.task.blocks(self.module):
                 fully_shard(block, mesh=mesh[comm_fsdp.SHARD])
             self.model = fully_shard(self.module, mesh=mesh[comm_fsdp.SHARD])
-            self.comm_state = comm_fsdp.register(self.model, mesh, config.codec, **codec)
+            self.replicas = mesh[comm_fsdp.REPLICATE].get_group()  # what --sync syncs over: each shard's replicas
+            if not config.sync:
+                self.comm_state = comm_fsdp.register(self.model, mesh, config.codec, **codec)
         elif config.sync:  # inner steps are local: DDP would all-reduce every gradient
             self.model = self.module
         else:
@@ -156,7 +158,8 @@ class Trainer:
         # live; stepper: what steps the parameters. Under --sync the first and last are the SyncOptimizer
         # around the optimizer, and the statistics its codec pipeline's, one record per sync.
         if config.sync:
-            self.comm_state = netgain.sync.wrap(self.module, self.optimizer, config.sync_config())
+            self.comm_state = netgain.sync.wrap(self.model, self.optimizer, config.sync_config(),
+                                                process_group=self.replicas if config.fsdp else None)
             self.stats, self.stepper = self.comm_state.comm, self.comm_state
         else:
             self.stats, self.stepper = self.comm_state, self.optimizer
@@ -262,22 +265,26 @@ class Trainer:
         dist.barrier()
 
     def sharded_state(self) -> dict:
-        """What DCP saves and loads in place: model and optimizer shards, and the comm state (a Stateful)."""
+        """What DCP saves and loads in place: model and optimizer shards, and the comm state (a Stateful: the hook's,
+        the route's or --sync's, which holds each rank's own parameters and optimizer state after local steps)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer, "comm": self.comm_state}
 
     def load_checkpoint(self, path: str) -> int:
-        """build_config has checked the checkpoint against this run; --lr replaces the saved rate. Under --sync the
-        comm state, loaded last, gives each rank its own parameters and optimizer state."""
+        """build_config has checked the checkpoint against this run; --lr replaces the saved rate. Under --sync and
+        --local-route the comm state, loaded last, gives each rank its own parameters and optimizer state (--fsdp:
+        DCP saved one replica's model and optimizer)."""
         if self.config.fsdp:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             state = self.sharded_state()
+            comm = {"comm": state.pop("comm")}
             comm_fsdp.load_checkpoint(state, path)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
+            comm_fsdp.load_checkpoint(comm, path)  # after them: it holds each rank's own (the sync's parts)
             step = read_sharded_checkpoint(path)["step"]
         else:
             checkpoint = read_checkpoint(path, map_location=self.device)
