@@ -769,6 +769,24 @@ def test_a_trial_beside_a_compile_is_priced_by_its_clear_steps_and_ends_at_twice
     assert planner._periods[("plan",)] == 0.1  # the clear steps only
 
 
+def test_a_price_from_steps_beside_compiles_only_is_dropped_once_the_compiles_end():
+    """A trial that never cleared of a compile (its steps on shared cores) keeps that price only while kernels
+    compile: then the plan is priced by the model again, and may be tried clear; a plan with clear steps keeps its."""
+    planner = comm.AutoConfig().build()
+    beside, clear, running = ((0, 100, 3),), ((0, 100, 4),), ((0, 100, 5),)
+    for key, compiling in ((beside, True), (clear, False)):
+        planner.trying, planner._plan_key, planner._plan_steps = True, key, 0
+        planner._running.clear()
+        planner._beside_compiles.clear()
+        for _ in range(2 * TRIAL_STEPS):
+            planner._price_plan(0.5, compiling=compiling)
+    planner._plan_key = running
+    assert set(planner._periods) == {beside, clear} and planner._provisional == {beside}
+    assert not planner._reopen(compiling=True) and beside in planner._periods  # compiles still run: it stands
+    assert planner._reopen(compiling=False) and set(planner._periods) == {clear} and not planner._provisional
+    assert not planner._reopen(compiling=False)
+
+
 @pytest.mark.parametrize("step_s, ends_after", [(TRIAL_RANGE * 0.1 * 1.2, TRIAL_SKIP + 1),
                                                  (TRIAL_RANGE * 0.1 * 0.8, TRIAL_STEPS)])
 def test_a_trial_priced_beyond_the_range_of_the_best_candidate_ends_at_its_first_clear_step(step_s, ends_after):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -223,6 +224,35 @@ def test_cli_prints_every_codec_and_a_recommendation(capsys):
     auto = re.search(r"auto \(the default\) would run: (.*?); predicted step .* to the target ([0-9.]+)x sooner than "
                      r"fp32 DDP .* ([0-9.]+)x sooner than PowerSGD r4", out)
     assert auto and float(auto[2]) >= 1.0, out  # auto's own plan: never priced behind sending fp32
+
+
+def test_local_steps_expose_only_what_the_average_takes_beyond_the_steps_it_overlaps():
+    """A 0.1 s step, a 0.5 s average every 8 steps applied a step later: (0.5 - 0.1) / 8 = 0.05 s exposed a step; an
+    average shorter than the step it overlaps costs nothing."""
+    step = net.Prediction("none", 0.1, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 1, 1000)
+    sync = net.Prediction("gqsgd", 0.5, 0.0, 0.48, 0.01, 0.01, 0.5, 800.0, 1, 1000)
+    local = net.predict_local(step, sync, period=8, overlap_steps=1)
+    assert local.step_s == pytest.approx(0.15) and local.payload_bytes == 100.0 and local.comm_s == pytest.approx(0.06)
+    assert net.predict_local(step, dataclasses.replace(sync, step_s=0.09), 8, 1).step_s == 0.1
+
+
+@pytest.mark.parametrize("argv, routes", [(["--workers", "8", "--link", "25gbe"], ["DDP"]),
+                                          (["--nodes", "2", "--gpus-per-node", "4", "--intra-link", "nvlink-a100",
+                                            "--inter-link", "25gbe"], ["DDP", "HSDP"])])
+def test_cli_prices_local_steps_against_fp32_ddp_and_the_recommendation(capsys, argv, routes):
+    """auto's route of local steps (netgain.sync.ROUTE: 4-bit averages every 8 steps, at ROUTE_STEPS x fp32's steps),
+    priced on each route the cluster has: its time to the target against fp32 DDP's is step x steps."""
+    from netgain.sync import ROUTE_STEPS
+    assert cli.main(["model", "--params", "1.3e9", *argv]) == 0
+    out = capsys.readouterr().out
+    found = re.findall(r"local steps, (DDP|HSDP) \(netgain.sync: gqsgd\(bits=4.*?\) every 8 steps; .*?\): predicted step "
+                       r"([0-9.e+-]+) s and ([0-9.]+)x fp32's steps .*?: ([0-9.]+)x sooner than fp32 DDP, ([0-9.]+)x than "
+                       r"the recommendation", out)
+    assert [route for route, *_ in found] == routes, out
+    fp32 = float(_table(out, "DDP:" if len(routes) > 1 else "| codec")[0].split(" | ")[-2])
+    for _, step, steps, versus_fp32, _ in found:
+        assert float(steps) == ROUTE_STEPS
+        assert float(versus_fp32) == pytest.approx(fp32 / (float(step) * ROUTE_STEPS), rel=0.01)
 
 
 def test_cli_custom_link_cpu_and_no_compression(capsys):

@@ -184,6 +184,7 @@ class AdaptivePlanner:
         self._plan_key: tuple = ()                        # auto: the plan running now (_key)
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
+        self._provisional: set[tuple] = set()             # auto: plans priced by steps beside a compile only
         self.trying = False                               # auto: the plan running now is tried for its price
         self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
         self._cheapest: list[float] | None = None         # auto: [the cheapest's price, a cold one's too; the link's volume then]
@@ -312,6 +313,7 @@ class AdaptivePlanner:
         if starved:
             self._forgone |= self._warming
         self._awaiting &= not (warmed or starved)
+        reopened = self._reopen(compiling=agreed_rows[-1][4])
         # every rank fits the same samples: the same estimate everywhere (ranks that saw different collectives skip the
         # step), and none from steps that ran beside a compile, whose cores and GIL it shared: on the lab at 1 Gbit/s a
         # first step beside one read a slow link, and auto ran low rank with 8-bit factors for 130 steps
@@ -331,7 +333,7 @@ class AdaptivePlanner:
         if moved:
             self._watch_rate()
         replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed
-                                                                     or starved)
+                                                                     or starved or reopened)
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -405,7 +407,8 @@ class AdaptivePlanner:
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
-                "priced_rate": self._priced_rate, "witness": self._witness, "plan": self._plan_state()}
+                "priced_rate": self._priced_rate, "witness": self._witness,
+                "provisional": [list(map(list, key)) for key in self._provisional], "plan": self._plan_state()}
 
     def _plan_state(self) -> dict:
         """The plan (bucket, numel, option index), the errors and shapes it was solved on, and how far it is priced."""
@@ -429,6 +432,7 @@ class AdaptivePlanner:
         self._compute.extend(state.get("compute", []))
         self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
         self._priced_rate, self._witness = state.get("priced_rate"), state.get("witness")
+        self._provisional = {tuple(map(tuple, key)) for key in state.get("provisional", [])}
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
         if "plan" in state:  # (a state saved without it re-plans from the next step's measurements)
@@ -688,6 +692,7 @@ class AdaptivePlanner:
             if len(self._witness[1]) >= TRIAL_STEPS - TRIAL_SKIP:
                 self._reprice(*self._witness)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
+        (self._provisional.discard if self._running else self._provisional.add)(self._plan_key)
         clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
         # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
         # tried, let alone kept (on the lab at 50 Mbit/s under HSDP, a first plan made before the link was measured
@@ -695,6 +700,20 @@ class AdaptivePlanner:
         outpriced = (bool(self._running) and self._best_price is not None
                      and self._running_price() > TRIAL_RANGE * self._best_price)
         return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
+
+    def _reopen(self, compiling: bool) -> bool:
+        """auto: once no kernel compiles on any rank, the plans priced by steps beside a compile only (a trial that
+        never cleared of one) lose that price, so the model prices them again and may try them clear. True when
+        any did. Under HSDP at 50 Mbit/s on the lab, low rank's trial ran its 16 steps beside the compiles of the
+        8-bit factors' warm-up at 0.35-0.98 s a step against 0.21-0.23 clear, and auto kept gqsgd 8-bit at 0.30 s
+        for 120 steps (an instrumented run, not committed). The running plan's own clear steps price it."""
+        reopened = self._provisional - {self._plan_key}
+        if compiling or not reopened:
+            return False
+        for key in reopened:
+            self._periods.pop(key, None)
+        self._provisional -= reopened
+        return True
 
     def _watch_rate(self) -> None:
         """auto: where the rate moved beyond REPRICE from the one the measured prices stand for, watch whether the

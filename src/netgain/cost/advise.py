@@ -52,6 +52,18 @@ class Row:
         return self.prediction.step_s * (1.0 if self.steps is None else self.steps)
 
 
+@dataclass(frozen=True)
+class LocalSteps:
+    """auto's route of local steps as `netgain model` prices it (netgain.sync gives it, as data: netgain.cost knows no
+    codecs): the average's codec, every `period` steps, applied `overlap_steps` later, and its steps to the target as
+    a multiple of fp32's, measured where `measured` says."""
+    profile: net.CodecProfile
+    period: int
+    overlap_steps: int
+    steps: float
+    measured: str
+
+
 CONVERGES = ("unbiased", "low-rank", "rounded")  # recommended without --allow-biased
 STEPS_COLUMNS = ("workers", "codec", "steps_ratio")
 STEPS_MAX_BYTES = 16 << 20  # a --steps-from CSV: bench's are a few kB
@@ -503,8 +515,40 @@ def run(args) -> int:
         print(routes_report(rows, hsdp, cluster, args.tolerance, args.allow_biased))
     else:
         print(flat_report(rows, args.tolerance, args.allow_biased))
+    chosen = recommend(rows + (hsdp if cluster else []), args.tolerance, args.allow_biased)
+    fp32_ddp = next(r for r in rows if r.profile.name == "none")
+    routes = [("DDP", workers, None)] + ([("HSDP", cluster.nodes, cluster)] if cluster and cluster.nodes > 1 else [])
+    for route, world, two_level in routes:
+        local = args.local_route(world, cost)
+        step = price_local(buckets, tensors, workers, link, compute_s, local, two_level)
+        print(local_line(route, local, step, fp32_ddp, chosen))
     print(auto_forecast(args.auto_plan(buckets, bucket_shapes, workers, link, compute_s, cost)))
     return 0
+
+
+def price_local(buckets: list[int], tensors: list[int] | None, world_size: int, link: net.Link, compute_s: float,
+                local: LocalSteps, hsdp: net.Cluster | None = None) -> net.Prediction:
+    """Local steps' step (net.predict_local): DDP's compute alone, or under HSDP each node's FSDP step with nothing
+    across nodes; and the average of the whole model (one flat tensor, as netgain.sync sends it) across the ranks,
+    or under HSDP each rank's shard across the nodes."""
+    total, count = sum(buckets), [sum(tensors)] if tensors else None
+    if hsdp:
+        step = net.predict_hsdp(buckets, dataclasses.replace(hsdp, nodes=1), compute_s=compute_s)
+        sync = net.predict([math.ceil(total / hsdp.gpus_per_node)], hsdp.nodes, hsdp.replica_link(), local.profile,
+                           tensors=count)
+    else:
+        step = net.predict(buckets, 1, link, compute_s=compute_s)
+        sync = net.predict([total], world_size, link, local.profile, tensors=count)
+    return net.predict_local(step, sync, local.period, local.overlap_steps)
+
+
+def local_line(route: str, local: LocalSteps, step: net.Prediction, fp32_ddp: Row, chosen: Row) -> str:
+    """Local steps on ``route`` against fp32 DDP and the recommendation, in time to the target."""
+    to_target = step.step_s * local.steps
+    return (f"local steps, {route} (netgain.sync: {local.profile.name} every {local.period} steps; --local-route offers "
+            f"them to auto, --sync runs them): predicted step {step.step_s:.4g} s and {local.steps:.3g}x fp32's steps "
+            f"to the target ({local.measured}): {fp32_ddp.time_s / to_target:.2f}x sooner than fp32 DDP, "
+            f"{chosen.time_s / to_target:.2f}x than the recommendation")
 
 
 def flat_report(rows: list[Row], tolerance: float, biased: bool) -> str:

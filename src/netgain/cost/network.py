@@ -707,6 +707,19 @@ def predict_hsdp(buckets: Sequence[int] | float, cluster: Cluster, codec: CodecP
                    stage_s=moves, gather_s=sum(moves), **options)
 
 
+def predict_local(step: Prediction, sync: Prediction, period: int, overlap_steps: int = 1) -> Prediction:
+    """Local steps (netgain.sync, DiLoCo's shape): every step is `step`, with nothing crossing the replicas, and
+    every `period` steps one average of the parameters, `sync` (predicted alone, no compute), launched after a
+    step and applied `overlap_steps` steps later: what it takes beyond those steps is exposed, over the period."""
+    if period < 1 or overlap_steps < 0:
+        raise ValueError(f"period/overlap_steps: must be >= 1/>= 0, got {period!r}/{overlap_steps!r}")
+    exposed = max(0.0, sync.step_s - overlap_steps * step.step_s) / period
+    return Prediction(f"{sync.codec} every {period} steps", step.step_s + exposed, step.compute_s,
+                      step.comm_s + sync.comm_s / period, step.encode_s + sync.encode_s / period,
+                      step.decode_s + sync.decode_s / period, step.exposed_comm_s + exposed,
+                      sync.payload_bytes / period, step.buckets, sync.elements)
+
+
 def estimate_compute_s(params: float, tokens_per_step: float, gpu: GPU, mfu: float = 0.4) -> float:
     """Forward+backward time of a transformer step: 6 * params * tokens FLOPs at `mfu` of peak."""
     if not 0 < mfu <= 1:
