@@ -63,9 +63,10 @@ class TrainConfig:
             bits = f" {self.sync_bits}-bit" if self.sync_bits else ""
             return (f"sync every {self.sync_period} steps: {self.codec}{bits} pseudo-gradients, outer lr "
                     f"{self.outer_lr:g}, momentum {self.outer_momentum:g}, {self.fragments} fragment(s), "
-                    f"{self.overlap_steps} step(s) overlapped")
+                    f"{self.overlap_steps} step(s) overlapped" + (", across replicas of FSDP2" if self.fsdp else ""))
         if self.fsdp:
-            return "every step: FSDP2 in each replica, the codec across replicas"
+            return "every step: FSDP2 in each replica, the codec across replicas" + (
+                ", or local steps where auto's trial finds them sooner" if self.local_route else "")
         if self.local_route:
             return "every step: the codec on DDP's communication hook, or local steps where auto's trial finds them sooner"
         return "every step: the codec on DDP's communication hook"
