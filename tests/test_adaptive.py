@@ -840,6 +840,20 @@ def test_measured_prices_stand_until_the_running_plans_steps_witness_the_rates_m
         assert p._priced_rate == (rate if dropped else 4e6)
 
 
+def test_a_price_from_steps_beside_compiles_is_no_witness_base():
+    """A running plan priced beside compiles only (provisional) starts no witness: its clear steps would read as a
+    move of the link."""
+    planner = comm.AutoConfig().build()
+    planner._plan_key, planner._priced_rate = ((0, 100, 3),), 4e6
+    planner._periods, planner._provisional = {planner._plan_key: 0.8}, {planner._plan_key}
+    planner.monitor.agreed.append(14e6)
+    planner._watch_rate()
+    assert planner._witness is None
+    planner._provisional.clear()
+    planner._watch_rate()
+    assert planner._witness == [0.8, [], True]
+
+
 def test_a_new_plan_witnesses_no_move_of_the_rate():
     """The plan changing while the rate's move is watched ends the watch: the measured prices stand."""
     planner = matrix_planner(None, mode="auto")

@@ -63,7 +63,7 @@ from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
-from .comm.fsdp import FSDPCommState, laid, raise_on_every_shard, unlaid
+from .comm.fsdp import FSDPCommState, laid, raise_on_every_shard, read_header, unlaid
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
 from .comm.hooks import CommState, _default_group_timeout, check_same_config, check_saved
@@ -404,7 +404,8 @@ class SyncOptimizer:
         """Resume from what `state_dict()` returned (on any rank): every rank loads the same object.
 
         ValueError for a state of another config, world size or model, or one that is malformed.
-        Averages on the wire when it is called are dropped.
+        Averages on the wire when it is called are dropped. Under FSDP2 the DCP state `state_dict()` returned,
+        loaded in place (netgain.comm.fsdp.load_checkpoint, after the model and optimizer): each rank its own.
         """
         if self._sharded:
             self.load_parts(state, self.check_header(state.get("header")))
@@ -435,7 +436,10 @@ class SyncOptimizer:
     # ---- checkpoints under FSDP2: each shard position's state, and each rank's own, through DCP ------
     def _sharded_state(self) -> dict:
         """A DCP Stateful's state: ``header``, every shard position's JSON header (`position_header`), gathered over the
-        shard mesh, and this position's parts (`sharded_parts`). Collective over the whole mesh."""
+        shard mesh, and this position's parts (`sharded_parts`). Collective over the whole mesh: an average that
+        failed on the wire raises on every rank."""
+        raise_on_every_shard(self.settled_error(), self._shard_mesh.get_group(), self.fragments[0].global_.device,
+                             "netgain.sync's checkpoint")
         parts = self.sharded_parts()
         headers = [None] * self._shard_mesh.size()
         dist.all_gather_object(headers, self.position_header(), group=self._shard_mesh.get_group())
@@ -446,14 +450,25 @@ class SyncOptimizer:
         the replicas hold alike, one copy: ``global``, ``momentum``, ``average`` (the fragments' scratch, holding
         the averages still to apply). What each rank holds alone after local steps: ``params`` (its shards, in their
         widest dtype) and ``inner.<dtype>`` (its inner optimizer's tensors): DCP saves one replica's model and
-        optimizer, so these give each rank its own back. No collective: the sync thread's are waited for."""
-        self._settle()
-        replicas = DeviceMesh.from_group(self.process_group, self.fragments[0].global_.device.type)
+        optimizer, so these give each rank its own back (on the parameters' device: AdamW keeps its step counts on
+        the CPU). Call once `settled_error()` is None on every shard position; no collective."""
+        device = self.fragments[0].global_.device
+        replicas = DeviceMesh.from_group(self.process_group, device.type)
         position = self._shard_mesh.get_local_rank()
-        return {f"{key}.{position}": laid(torch.cat([t.detach().reshape(-1).to(self._widest()) if key == "params"
-                                                     else t.reshape(-1) for t in tensors]),
+        return {f"{key}.{position}": laid(torch.cat([t.detach().reshape(-1).to(device, self._widest() if key == "params"
+                                                                               else t.dtype) for t in tensors]),
                                           replicas, per_rank=key == "params" or key.startswith("inner."))
                 for key, tensors in self._parts().items()}
+
+    def settled_error(self) -> Exception | None:
+        """Wait until no collective is on the sync thread; the first failed average's error, not raised."""
+        concurrent.futures.wait([sync.done for sync in self._pending])
+        return next((sync.done.exception() for sync in self._pending if sync.done.exception() is not None), None)
+
+    @property
+    def loads_last(self) -> bool:
+        """Under FSDP2 its DCP state loads after the model and optimizer (netgain.comm.fsdp.load_checkpoint)."""
+        return self._sharded
 
     def _parts(self) -> dict[str, list[torch.Tensor]]:
         """This rank's sharded state, by part, as the tensors each part flattens (`sharded_parts`)."""
@@ -488,16 +503,23 @@ class SyncOptimizer:
                                 sum(t.numel() for t in tensors)] for key, tensors in self._parts().items()}}
 
     def check_header(self, header) -> dict:
-        """This shard position's saved header (from `_sharded_state`'s JSON list) as a dict, or ValueError naming
-        what differs from this run (`check_position`)."""
+        """Under FSDP2, this shard position's saved header (from `_sharded_state`'s JSON list) as a dict, or
+        ValueError naming what differs from this run (`check_position`), raised on every rank of the mesh."""
+        if not self._sharded:
+            raise ValueError("netgain.sync's header is FSDP2's (a DCP state); without FSDP2 load what state_dict() "
+                             "returned with load_state_dict()")
+        saved, error = read_header(header), None
         try:
-            saved = json.loads(header) if isinstance(header, str) else None
-        except ValueError:
-            saved = None
-        if not (isinstance(saved, list) and len(saved) == self._shard_mesh.size()):
-            raise ValueError(f"not a netgain sync state of {self._shard_mesh.size()} shard positions (its header is "
-                             "not one per position, from SyncOptimizer.state_dict() under FSDP2)")
-        return self.check_position(saved[self._shard_mesh.get_local_rank()])
+            if not (isinstance(saved, list) and len(saved) == self._shard_mesh.size()):
+                raise ValueError(f"not a netgain sync state of this run's {self._shard_mesh.size()} shard positions "
+                                 f"(its header holds {len(saved) if isinstance(saved, list) else 'no list of'} "
+                                 "positions; from SyncOptimizer.state_dict() under FSDP2)")
+            saved = self.check_position(saved[self._shard_mesh.get_local_rank()])
+        except ValueError as failed:
+            error = failed
+        raise_on_every_shard(error, self._shard_mesh.get_group(), self.fragments[0].global_.device,
+                             "netgain.sync's checkpoint")
+        return saved
 
     def check_position(self, saved) -> dict:
         """``saved`` if it is this shard position's header of this run's config, replicas, model and inner optimizer
@@ -771,6 +793,8 @@ class LocalRoute:
         if self.ddp is not None:
             return {**route, "comm": self.state.state_dict(),
                     "sync": self.sync.state_dict() if self.sync is not None else None}
+        raise_on_every_shard(self.sync.settled_error() if self.sync is not None else None, self.state.shard_group,
+                             self._named[0][1].device, "the route's checkpoint")
         comm, parts = self.state.state_dict(), self.sync.sharded_parts() if self.sync is not None else None
         # each shard position's, as its replicas' first rank holds it (the times are each rank's: under DDP rank
         # 0's), gathered over the shard mesh: positions choose their phase each for itself
@@ -785,21 +809,31 @@ class LocalRoute:
     def check_header(self, header) -> dict:
         """Under FSDP2, before DCP loads a tensor: this shard position's saved route fields as a dict, the hook's
         header and the SyncOptimizer's checked (ValueError naming what differs), and the saved phase entered, so
-        that `state_dict()` then has the parts DCP loads in place."""
+        that `state_dict()` then has the parts DCP loads in place; a refusal is raised on every rank of the mesh."""
+        if self.ddp is not None:
+            raise ValueError("the route's header is FSDP2's (a DCP state); under DDP load what state_dict() returned "
+                             "with load_state_dict()")
+        saved, route, error = read_header(header), None, None
+        saved = saved if isinstance(saved, dict) else {}
         try:
-            saved = json.loads(header) if isinstance(header, str) else {}
-        except ValueError:
-            saved = {}
-        routes = saved.get("routes") if isinstance(saved, dict) else None
-        if not (isinstance(routes, list) and len(routes) == self.state.shards):
-            raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} for {self.state.shards} shard "
-                             "positions (from LocalRoute.state_dict() under FSDP2)")
-        self.state.check_header(saved.get("comm"))
-        route = _check_route(routes[self.state.shard])
-        self._resume_phase(route)
-        if self.sync is not None:
-            self.sync.check_position(route["sync"])
+            self.state.check_header(saved.get("comm"))  # names another mesh first
+            routes = saved.get("routes")
+            if not (isinstance(routes, list) and len(routes) == self.state.shards):
+                raise ValueError(f"not a netgain route state of format {ROUTE_FORMAT!r} for this run's "
+                                 f"{self.state.shards} shard positions (from LocalRoute.state_dict() under FSDP2)")
+            route = _check_route(routes[self.state.shard])
+            self._resume_phase(route)
+            if self.sync is not None:
+                self.sync.check_position(route["sync"])
+        except ValueError as failed:
+            error = failed
+        raise_on_every_shard(error, self.state.shard_group, self._named[0][1].device, "the route's checkpoint")
         return route
+
+    @property
+    def loads_last(self) -> bool:
+        """Under FSDP2 its DCP state loads after the model and optimizer (netgain.comm.fsdp.load_checkpoint)."""
+        return self.ddp is None
 
     def load_state_dict(self, saved: dict) -> None:
         """Resume what `state_dict()` returned, on every rank; ValueError for anything else."""
@@ -817,6 +851,7 @@ class LocalRoute:
         self.phase, self.price, self.route_price = route["phase"], route["price"], route.get("route_price")
         self._early, self._measured = bool(route.get("early", False)), bool(route.get("measured", False))
         self._times, self._waits = [float(t) for t in route["times"]], [float(t) for t in route.get("waits", [])]
+        self._last = None  # the next step's time from the last is none of the trial's (a load may call step())
 
     def _resume_phase(self, saved: dict) -> None:
         """Local steps where the saved route had a SyncOptimizer (kept where one runs), per-step where it had none."""

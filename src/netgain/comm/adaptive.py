@@ -407,7 +407,7 @@ class AdaptivePlanner:
                 "latency": self.monitor.latency, "overhead_s": self.monitor.overhead_s,
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
-                "priced_rate": self._priced_rate, "witness": self._witness,
+                "priced_rate": self._priced_rate, "witness": copy.deepcopy(self._witness),
                 "provisional": [list(map(list, key)) for key in self._provisional], "plan": self._plan_state()}
 
     def _plan_state(self) -> dict:
@@ -431,7 +431,7 @@ class AdaptivePlanner:
         self._compute.clear()
         self._compute.extend(state.get("compute", []))
         self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
-        self._priced_rate, self._witness = state.get("priced_rate"), state.get("witness")
+        self._priced_rate, self._witness = state.get("priced_rate"), copy.deepcopy(state.get("witness"))
         self._provisional = {tuple(map(tuple, key)) for key in state.get("provisional", [])}
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
@@ -719,6 +719,7 @@ class AdaptivePlanner:
         """auto: where the rate moved beyond REPRICE from the one the measured prices stand for, watch whether the
         running plan's steps move with it (_reprice)."""
         if (self._priced_rate and self._witness is None and self._plan_key in self._periods
+                and self._plan_key not in self._provisional  # a price beside compiles is no witness's base
                 and not self._priced_rate / REPRICE <= self.monitor.bandwidth <= self._priced_rate * REPRICE):
             self._witness = [self._periods[self._plan_key], [], self.monitor.bandwidth > self._priced_rate]
 
@@ -730,6 +731,7 @@ class AdaptivePlanner:
         now = statistics.median(steps)
         if now * (1 + WITNESS) < price if rose else now > price * (1 + WITNESS):
             self._periods.clear()
+            self._provisional.clear()
             self._running.clear()
             self._running.extend(steps)  # the running plan's price: its steps on the new link
             self._priced_rate = self.monitor.bandwidth

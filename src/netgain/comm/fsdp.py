@@ -273,10 +273,8 @@ class FSDPCommState(CommState):
     def check_header(self, header) -> dict:
         """The saved header as a dict, or ValueError naming what differs from this run: the format, config,
         mesh (a state loads onto the mesh it was saved on) or parameters, or a malformed step."""
-        try:
-            saved = json.loads(header) if isinstance(header, str) else {}  # {}: no header, refused for its format
-        except ValueError:
-            saved = {}
+        saved = read_header(header)
+        saved = saved if isinstance(saved, dict) else {}  # no header: refused for its format
         mine = json.loads(json.dumps(self._header()))  # the config's tuples as JSON lists, as saved
         where = (f"it was saved on a {_shape(saved.get('mesh') if isinstance(saved, dict) else None)} "
                  f"({REPLICATE} x {SHARD}) mesh, this run's is {_shape(mine['mesh'])}")
@@ -313,6 +311,14 @@ def raise_on_every_shard(error: Exception | None, shard_group, device: torch.dev
         kind = FAILURES[int(verdicts.max())]
         raise kind(f"{where}: the replicas of shard {', '.join(map(str, failed))} raised {kind.__name__} (named on "
                    "their ranks); every rank raises it, so that no replica steps while another stops")
+
+
+def read_header(header):
+    """A saved JSON header as Python data, or None where it is missing or not JSON (its checks refuse it)."""
+    try:
+        return json.loads(header) if isinstance(header, str) else None
+    except ValueError:
+        return None
 
 
 def laid(flat: torch.Tensor, replicas: DeviceMesh, per_rank: bool) -> DTensor:
@@ -403,6 +409,11 @@ def load_checkpoint(state_dict: dict, path) -> None:
     (whose error would name a size only); a route's enters its saved phase there, so the state DCP then
     loads in place has its parts.
     """
+    last = [key for key, value in state_dict.items() if getattr(value, "loads_last", False)]
+    if last and len(state_dict) > 1:
+        raise ValueError(f"load_checkpoint: load {last[0]!r} in a call of its own, after the model and optimizer are "
+                         "set (set_state_dict): it gives each rank back its own shards and optimizer state, which DCP's "
+                         "one copy of them would then overwrite")
     headers = {key: {"header": None} for key, value in state_dict.items() if hasattr(value, "check_header")}
     if headers:
         _load(headers, path, _DataOnlyPlanner(allow_partial_load=True))  # a missing header stays None: refused

@@ -516,29 +516,30 @@ def run(args) -> int:
     else:
         print(flat_report(rows, args.tolerance, args.allow_biased))
     chosen = recommend(rows + (hsdp if cluster else []), args.tolerance, args.allow_biased)
-    fp32_ddp = next(r for r in rows if r.profile.name == "none")
+    fp32_row = next(r for r in rows if r.profile.name == "none")
     routes = [("DDP", workers, None)] + ([("HSDP", cluster.nodes, cluster)] if cluster and cluster.nodes > 1 else [])
     for route, world, two_level in routes:
         local = args.local_route(world, cost)
-        step = price_local(buckets, tensors, workers, link, compute_s, local, two_level)
-        print(local_line(route, local, step, fp32_ddp, chosen))
+        step = price_local(buckets, tensors, workers, link, compute_s, local, two_level, algorithm=args.algorithm,
+                           codec_shares_compute=gpu is None)
+        print(local_line(route, local, step, fp32_row, chosen))
     print(auto_forecast(args.auto_plan(buckets, bucket_shapes, workers, link, compute_s, cost)))
     return 0
 
 
 def price_local(buckets: list[int], tensors: list[int] | None, world_size: int, link: net.Link, compute_s: float,
-                local: LocalSteps, hsdp: net.Cluster | None = None) -> net.Prediction:
+                local: LocalSteps, hsdp: net.Cluster | None = None, **options) -> net.Prediction:
     """Local steps' step (net.predict_local): DDP's compute alone, or under HSDP each node's FSDP step with nothing
     across nodes; and the average of the whole model (one flat tensor, as netgain.sync sends it) across the ranks,
-    or under HSDP each rank's shard across the nodes."""
+    or under HSDP each rank's shard across the nodes. ``options``: net.predict's (algorithm, codec_shares_compute)."""
     total, count = sum(buckets), [sum(tensors)] if tensors else None
     if hsdp:
-        step = net.predict_hsdp(buckets, dataclasses.replace(hsdp, nodes=1), compute_s=compute_s)
+        step = net.predict_hsdp(buckets, dataclasses.replace(hsdp, nodes=1), compute_s=compute_s, **options)
         sync = net.predict([math.ceil(total / hsdp.gpus_per_node)], hsdp.nodes, hsdp.replica_link(), local.profile,
-                           tensors=count)
+                           tensors=count, **options)
     else:
-        step = net.predict(buckets, 1, link, compute_s=compute_s)
-        sync = net.predict([total], world_size, link, local.profile, tensors=count)
+        step = net.predict(buckets, 1, link, compute_s=compute_s, **options)
+        sync = net.predict([total], world_size, link, local.profile, tensors=count, **options)
     return net.predict_local(step, sync, local.period, local.overlap_steps)
 
 
