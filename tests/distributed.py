@@ -54,3 +54,34 @@ def _join(context, timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
     return True
+
+
+def sharded_mlp():
+    """A 2 x 2 (replicate x shard) mesh and an 8-16-3 tanh MLP, each Linear and the root fully_shard-ed over
+    mesh["shard"] (the last layer's 3 rows split 2 + 1), seeded alike on every rank, with AdamW lr 1e-2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def mse_step(model, optimizer, stepper, rank: int, step: int) -> None:
+    """One step of `sharded_mlp`'s model on this rank's batch of ``step`` (seeded by both), stepped by ``stepper``."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    stepper.step()
+
+
+def shard_state(model, optimizer) -> list:
+    """Copies of this rank's parameter shards and optimizer state tensors (a DTensor's local part)."""
+    return ([p.detach().to_local().clone() for p in model.parameters()]
+            + [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+               for s in optimizer.state.values() for v in s.values()])

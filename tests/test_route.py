@@ -21,7 +21,7 @@ from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, off
 from netgain.train.cli import build_config
 from netgain.train.report import summarize
 
-from distributed import run
+from distributed import mse_step, run, shard_state, sharded_mlp
 
 TRIAL = ROUTE_TRIAL_SYNCS * ROUTE.period + ROUTE.overlap_steps  # the trial's inner steps
 
@@ -151,17 +151,9 @@ def fsdp_routed(rank, world_size, path):
     again: whether every rank's shards and optimizer state came out bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import netgain.comm.fsdp as fsdp
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))  # 3 rows: 2 + 1
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh, model, optimizer = sharded_mlp()
     state = fsdp.register(model, mesh, min_compress_numel=0)
     shard = mesh.get_local_rank("shard")
     state.planner.settled_price = lambda: float("inf") if shard == 0 else 1e-9
@@ -170,16 +162,7 @@ def fsdp_routed(rank, world_size, path):
     phases, equal = [], []
 
     def step(t):
-        g = torch.Generator().manual_seed(1000 * rank + t)
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-
-    def snapshot():
-        return ([p.detach().to_local().clone() for p in model.parameters()]
-                + [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                   for s in optimizer.state.values() for v in s.values()])
+        mse_step(model, optimizer, optimizer, rank, t)
 
     try:
         for t in range(1 + TRIAL + 6):
@@ -195,7 +178,7 @@ def fsdp_routed(rank, world_size, path):
         dcp.save({"model": model_state, "optimizer": optimizer_state, "route": route}, checkpoint_id=path)
         for t in range(1 + TRIAL + 6, 1 + TRIAL + 9):
             step(t)
-        first = snapshot()
+        first = shard_state(model, optimizer)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         fsdp.load_checkpoint(state, path)
@@ -203,7 +186,7 @@ def fsdp_routed(rank, world_size, path):
         fsdp.load_checkpoint({"route": route}, path)
         for t in range(1 + TRIAL + 6, 1 + TRIAL + 9):
             step(t)
-        resumed = all(torch.equal(a, b) for a, b in zip(first, snapshot())) and route.phase == phases[-1]
+        resumed = all(torch.equal(a, b) for a, b in zip(first, shard_state(model, optimizer))) and route.phase == phases[-1]
     finally:
         route.close()
     return {"shard": shard, "phases": phases, "equal": equal, "resumed": resumed}

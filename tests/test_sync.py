@@ -16,7 +16,7 @@ import torch.distributed as dist
 from netgain.comm import GlobalQSGDConfig
 from netgain.sync import NonFiniteGradientError, PlanMismatchError, SyncConfig, wrap
 
-from distributed import run
+from distributed import mse_step, run, shard_state, sharded_mlp
 
 
 class Two(torch.nn.Module):
@@ -239,15 +239,7 @@ def sharded(rank, world_size):
     2 + 1: wrap() over the whole job (refused), then over the replicate group, codec none, periodic averaging every
     2 steps. Per step: the largest difference between this rank's shard after the sync and the replicas' mean of it
     before, or whether the replicas differ where no sync was due. Then a NaN in rank 1's shard as a sync is due."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh, model, optimizer = sharded_mlp()
     out = {}
     try:
         wrap(model, optimizer, period=2)
@@ -267,11 +259,7 @@ def sharded(rank, world_size):
         return every[rank % 2::2]
 
     def inner_step(step):
-        g = torch.Generator().manual_seed(1000 * rank + step)
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+        mse_step(model, optimizer, optimizer, rank, step)
 
     out["steps"] = []
     try:
@@ -318,32 +306,17 @@ def sharded_resume(rank, world_size, path):
     and outer state came out bit for bit; then a sync of another period refused before any tensor loads."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from netgain.comm.fsdp import load_checkpoint
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh, model, optimizer = sharded_mlp()
     group = mesh.get_group("replicate")
     outer = wrap(model, optimizer, process_group=group, period=4, bits=4, fragments=2, overlap_steps=1)
 
     def step(t):
-        g = torch.Generator().manual_seed(1000 * rank + t)
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        outer.step()
+        mse_step(model, optimizer, outer, rank, t)
 
     def snapshot():
-        shards = [p.detach().to_local().clone() for p in model.parameters()]
-        inner = [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                 for s in optimizer.state.values() for v in s.values()]
         flats = [t.clone() for f in outer.fragments for t in (f.global_, f.momentum)]
-        return shards + inner + flats + [torch.tensor(outer.inner_steps)]
+        return shard_state(model, optimizer) + flats + [torch.tensor(outer.inner_steps)]
 
     out = {}
     try:

@@ -452,10 +452,10 @@ class SyncOptimizer:
         widest dtype) and ``inner.<dtype>`` (its inner optimizer's tensors): DCP saves one replica's model and
         optimizer, so these give each rank its own back (on the parameters' device: AdamW keeps its step counts on
         the CPU). Call once `settled_error()` is None on every shard position; no collective."""
-        device = self.fragments[0].global_.device
+        device, widest = self.fragments[0].global_.device, self._widest()
         replicas = DeviceMesh.from_group(self.process_group, device.type)
         position = self._shard_mesh.get_local_rank()
-        return {f"{key}.{position}": laid(torch.cat([t.detach().reshape(-1).to(device, self._widest() if key == "params"
+        return {f"{key}.{position}": laid(torch.cat([t.detach().reshape(-1).to(device, widest if key == "params"
                                                                                else t.dtype) for t in tensors]),
                                           replicas, per_rank=key == "params" or key.startswith("inner."))
                 for key, tensors in self._parts().items()}
@@ -496,10 +496,11 @@ class SyncOptimizer:
     def position_header(self) -> dict:
         """This shard position's header, alike on its replicas: the format, config, replicas (world_size), model,
         step, codec step, the averages on the wire and each part's dtype and size."""
+        widest = self._widest()
         return {"format": FORMAT, "config": self.config.describe(), "world_size": dist.get_world_size(self.process_group),
                 "model": self._model, "step": self.inner_steps, "comm_step": self.comm.step,
                 "pending": [[s.fragment.index, s.due] for s in self._pending],
-                "parts": {key: [str(self._widest() if key == "params" else tensors[0].dtype).removeprefix("torch."),
+                "parts": {key: [str(widest if key == "params" else tensors[0].dtype).removeprefix("torch."),
                                 sum(t.numel() for t in tensors)] for key, tensors in self._parts().items()}}
 
     def check_header(self, header) -> dict:
