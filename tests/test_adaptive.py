@@ -722,26 +722,30 @@ def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
     assert planner.plan[0][1].describe() == "gqsgd(bits=4,encoding=packed)"
 
 
-def test_auto_runs_a_settled_plan_of_plain_codecs_as_a_fixed_codec():
-    """A plan of none/bf16 steps with no header, launched inline (`plain`), also while it is tried (so that its
-    trial prices it as it runs); not on a step that measures errors, nor with a codec that needs scales or relays."""
+def test_auto_runs_a_settled_plan_of_headerless_codecs_as_a_fixed_codec():
+    """A plan of none/bf16/fp32-factor low rank steps with no header (`plain`), also while it is tried (so that its
+    trial prices it as it runs); not on a step that measures errors, nor with a codec that needs scales. A plan
+    whose codecs relay nothing launches from the caller's thread; one with low rank, all of it from the
+    pipeline's."""
     planner = comm.AutoConfig().build()
     names = [o.describe() for o in planner.options]
     planner._numels[0] = 1000
     planner.plan = {0: (1000, planner.options[names.index("bf16")])}
     planner._stale = False
     assert planner.plain(3) and not planner.plain(planner.replan_every - 1)  # errors measured at replan_every
+    assert not planner.relays
     planner.trying = True
     assert planner.plain(3)
     planner.trying = False
-    for name in ("gqsgd(bits=8,encoding=packed)", "lowrank(rank=4,factors=fp32)"):
+    planner._numels[1] = 1000
+    for name, plain in (("gqsgd(bits=8,encoding=packed)", False), ("lowrank(rank=4,factors=gqsgd,bits=8)", False),
+                        ("lowrank(rank=4,factors=fp32)", True)):
         planner.plan = {0: (1000, planner.options[names.index(name)])}
-        assert not planner.plain(3)
+        assert planner.plain(3) == plain
         # a mix: one bucket launched inline and one on the pipeline's thread would issue a step's collectives in a
         # different order on each rank (gloo aborted an HSDP run so, 2b56ca7): the whole step goes to the thread
-        planner._numels[1] = 1000
         planner.plan = {0: (1000, planner.options[names.index("fp16")]), 1: (1000, planner.options[names.index(name)])}
-        assert not planner.plain(3)
+        assert planner.plain(3) == plain and planner.relays == name.startswith("lowrank")
     assert not comm.AdaptivePlanner("kimad+").plain(3)
 
 
@@ -937,7 +941,7 @@ def test_a_warm_up_whose_compiles_get_no_cores_is_forgone(monkeypatch):
 AUTO_SCRIPT = ["bf16", "lowrank(rank=4,factors=fp32)", "lowrank(rank=4,factors=gqsgd,bits=8)",
                "gqsgd(bits=4,encoding=packed)", "fp16", "lowrank(rank=4,factors=fp32)", "bf16",
                "lowrank(rank=4,factors=gqsgd,bits=8)", "gqsgd(bits=8,encoding=packed)", "none"]
-AUTO_PLAIN = {4, 6, 9}  # settled steps of plain codecs: no header, launched from DDP's thread
+AUTO_PLAIN = {4, 5, 6, 9}  # settled steps of plain codecs: no header; low rank's (5) on the pipeline's thread
 
 
 def scripted_auto_run(rank, world_size):
@@ -952,13 +956,14 @@ def scripted_auto_run(rank, world_size):
     for step, name in enumerate(AUTO_SCRIPT):
         planner.codec_for = lambda index, numel, name=name: options[name]
         planner.plain = lambda step, plain=step in AUTO_PLAIN: plain
+        planner.plan = {0: (3000, options[name])}  # what `relays` reads
         if step == 2:
             planner.warm = {(0, planner.options.index(options["gqsgd(bits=4,encoding=packed)"]))}
         model.zero_grad()
         (model(torch.eye(50)) * true_gradient(step, rank).T).sum().backward()
         out.append(model.module.weight.grad.clone())
     state.close()
-    return out
+    return out, [record["wire_bytes"] for record in state.history]
 
 
 def test_auto_sends_every_gradient_through_its_switches_of_plan():
@@ -968,8 +973,9 @@ def test_auto_sends_every_gradient_through_its_switches_of_plan():
     along on the step after it); every rank receives the same."""
     results = run(scripted_auto_run, 2)
     assert all(status == "ok" for status, _ in results), results
-    (out0, out1) = (value for _, value in results)
+    (out0, wire), (out1, _) = (value for _, value in results)
     assert all(torch.equal(a, b) for a, b in zip(out0, out1))
+    assert wire[5] < wire[1]  # the same low rank, its plain step without the header
     sent, truth, since, error = torch.zeros(60, 50), torch.zeros(60, 50), torch.zeros(60, 50), 0.0
     rounding = {"none": 1e-6, "bf16": 1e-2, "fp16": 1e-3, "gqsgd(bits=8,encoding=packed)": 0.05,
                 "gqsgd(bits=4,encoding=packed)": 0.5}  # of the norm of what a step carries

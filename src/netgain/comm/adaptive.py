@@ -226,16 +226,26 @@ class AdaptivePlanner:
         return self._stale or (step + 1) % self.replan_every == 0
 
     def plain(self, step: int) -> bool:
-        """auto, planned on codecs that need no header and make one collective (none, bf16, fp16), measuring no
-        errors this step: the step runs as a fixed codec does, each bucket's collective launched from DDP's
-        thread with no header. NaN/Inf reach every rank through the SUM, and the plan's signature joins the
-        agreement instead (AGREE_EVERY, or every step while tried): on the lab at 1 Gbit/s the header and the
-        hand-off to the pipeline's thread made auto's bf16 step 1.08x a fixed bf16 codec's. A trial runs so
-        too, so that it prices the plan as it would run: fp16 tried with headers read 0.138-0.17 s a step
-        against low rank's 0.108-0.135, which then ran 32 steps before fp16 took over."""
+        """auto, planned on codecs that need no header (none, bf16, fp16, low rank with fp32 factors), measuring
+        no errors this step: the step runs as a fixed codec does, with no header. NaN/Inf reach every rank
+        through the SUM (low rank's: its first round's), and the plan's signature joins the agreement instead
+        (AGREE_EVERY, or every step while tried): on the lab at 1 Gbit/s the header and the hand-off to the
+        pipeline's thread made auto's bf16 step 1.08x a fixed bf16 codec's, and under HSDP at 50 Mbit/s the
+        header, a blocking round trip per group on the slow link, made auto's low-rank step 0.26-0.29 s against
+        a fixed low rank's 0.22-0.25. A trial runs so too, so that it prices the plan as it would run: fp16
+        tried with headers read 0.138-0.17 s a step against low rank's 0.108-0.135, which then ran 32 steps
+        before fp16 took over. Where no codec of the plan `relays`, the step's collectives launch from the
+        caller's thread."""
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.climbing or self._awaiting)
-                and not self.wants_errors(step)
-                and not any(codec.needs_header or codec.relays for _, codec in self.plan.values()))
+                and not self.wants_errors(step) and not any(codec.needs_header for _, codec in self.plan.values()))
+
+    @property
+    def relays(self) -> bool:
+        """A codec of the plan makes each round from the last one's mean (low rank): a plain step then runs on the
+        pipeline's thread, all of it, as one bucket launched from the caller's thread and another from the
+        pipeline's would issue a step's collectives in a different order on each rank (gloo aborted an HSDP run
+        so, 2b56ca7)."""
+        return any(codec.relays for _, codec in self.plan.values())
 
     def prepare(self, index: int, x: torch.Tensor, ctx) -> None:
         """auto: run the options awaiting their trial on this bucket once, on this rank's bucket, the output

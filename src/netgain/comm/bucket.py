@@ -55,7 +55,8 @@ class BucketJob:
     result: torch.futures.Future          # what DDP waits on: the averaged bucket
     step_jobs: list[BucketJob] = field(default_factory=list)  # this step's buckets so far, this one included
     last: bool = False                    # DDP's last bucket of the step
-    plain: bool = False                   # a planner's step run as a fixed codec's: no header, launched inline
+    plain: bool = False                   # a planner's step run as a fixed codec's: no header
+    inline: bool = False                  # launched from the caller's thread (a plain step whose codecs relay nothing)
     ready: object = None                  # CUDA: an event of the backward's stream, recorded when the bucket was
     record: dict | None = None            # statistics: codec, bytes, seconds, trace points
     out: torch.Tensor | None = None       # the decoded mean
@@ -263,6 +264,7 @@ class Pipeline:
             self.stream = torch.cuda.Stream()
         self.failure: str | None = None  # why a bucket of this step failed; later buckets skip
         self.plain = False  # this step's buckets run as a fixed codec's (a planner's settled plan: Planner.plain)
+        self.plain_inline = False  # and launch from the caller's thread (no codec of the plan relays)
 
     def submit(self, job: BucketJob) -> None:
         """From DDP's thread: start the bucket; the last bucket's call raises the step's first error."""
@@ -270,7 +272,7 @@ class Pipeline:
             job.ready = torch.cuda.Event()
             job.ready.record()
         self._plan(job)
-        if self.inline or job.plain:  # no header to wait for: launch from here, as PyTorch's own hooks do
+        if self.inline or job.inline:  # nothing to wait for: launch from here, as PyTorch's own hooks do
             self._run(job)
         else:
             self.executor.submit(self._run, job)
@@ -295,7 +297,7 @@ class Pipeline:
             except Exception as error:  # the planner's agreement (a plan mismatch, a peer gone): every bucket fails
                 for j in jobs:
                     j.fail(error)
-                if job.plain:  # on DDP's thread: raised as its class
+                if job.inline:  # on DDP's thread: raised as its class
                     raise
             with on_stream(self.stream, None):  # DDP sees the step's results once its statistics are in
                 for j in jobs:
@@ -303,12 +305,14 @@ class Pipeline:
                         j.result.set_result(j.out)
 
     def _plan(self, job: BucketJob) -> None:
-        """Whether the job runs plain: decided at the step's first bucket (the previous step has ended, its plan stands)."""
+        """Whether the job runs plain, and inline: decided at the step's first bucket (the previous step has ended,
+        its plan stands), for the whole step."""
         if len(job.step_jobs) == 1:
             planner = self.state.planner
             self.plain = (planner is not None and self.state.config.nonfinite == "raise"
                           and planner.plain(self.state.step))
-        job.plain = self.plain
+            self.plain_inline = self.plain and not planner.relays
+        job.plain, job.inline = self.plain, self.plain_inline
 
     def run_now(self, job: BucketJob) -> None:
         """On the caller's thread and stream, to the decoded mean (netgain.comm.fsdp: the caller reads it next)."""
