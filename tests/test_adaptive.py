@@ -908,6 +908,25 @@ def test_steps_a_hook_left_unobserved_price_no_compute_and_no_link():
     assert len(planner._compute) == 1 and planner.last["link_comm_s"] == pytest.approx(0.081)
 
 
+def test_auto_samples_the_link_only_where_it_needs_to():
+    """A hook that overlaps unobserved steps (FSDP2) holds those auto observes: a new layout's, an error measurement,
+    a settled plan's agreement; a trial and a plan awaiting compiles overlap as a settled plan does. kimad+ observes
+    every step."""
+    planner = comm.AutoConfig().build()
+    assert planner.observes(3)  # no plan yet
+    planner._numels, planner.plan, planner._stale = {0: 1000}, {0: (1000, planner.options[0])}, False
+    every = adaptive.AGREE_EVERY
+    assert [planner.observes(step) for step in range(every)] == [step == every - 1 for step in range(every)]
+    for flag in ("trying", "_awaiting"):
+        setattr(planner, flag, True)
+        assert not any(planner.observes(step) for step in range(2 * every))  # its agreements' steps too
+        assert planner.observes(planner.replan_every - 1)  # its error measurement
+        setattr(planner, flag, False)
+    planner.climbing = True
+    assert planner.observes(3)
+    assert comm.AdaptivePlanner("kimad+").observes(3)
+
+
 def test_the_codec_of_the_unplanned_steps_stays_cold():
     """auto's first step sends gqsgd 8-bit on every bucket, as an instance of its own whose kernels stay eager
     (bucket.send, kernel.cold): under HSDP it runs once per group, hot by its third call, and the compile it began

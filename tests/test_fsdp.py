@@ -505,6 +505,7 @@ def _auto(rank, world, folder):
         model, optimizer, state = fresh(scripted=True)
         _train(model, optimizer, rank, 1, 0)
         state.planner.settled = lambda step, settled=settled: settled
+        state.planner.observes = lambda step, settled=settled: not settled
         _train(model, optimizer, rank, 2, 1)
         results[f"settled={settled}"] = {"params": _params(model), "overlapping": state._overlapping,
                                          "unobserved": state.pipeline.communicator.observer is None,

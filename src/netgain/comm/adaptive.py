@@ -372,6 +372,18 @@ class AdaptivePlanner:
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
                 and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 
+    def observes(self, step: int) -> bool:
+        """Whether the step's collectives are samples of the link. A hook that overlaps them with the backward
+        (netgain.comm.fsdp) holds such a step's instead, each group's alone on the link, and overlaps the others,
+        unobserved. auto observes a step on a new bucket layout, one that measures errors or climbs, and a settled
+        plan's agreement (one step in AGREE_EVERY); a trial and a plan awaiting its candidates' compiles run as a
+        settled plan does, so that a trial prices a plan as it will run (under HSDP at 50 Mbit/s, held on trial, low
+        rank's steps took 0.25-0.27 s against 0.21-0.23 settled, and gqsgd 8-bit, 0.28-0.31 either way, won the tie
+        and ran for good), and a step beside a compile is no sample anyway. kimad and kimad+ observe every step."""
+        if self.mode != "auto" or not self.plan or self._stale or self.climbing or self.wants_errors(step):
+            return True
+        return not (self.trying or self._awaiting) and (step + 1) % AGREE_EVERY == 0
+
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link, or
         the steps' collectives already take longer than the budget beyond what their bytes cost."""

@@ -25,9 +25,9 @@ holds the backward until the group's average is done, and so does a planner's st
 link, measures errors, tries a plan or agrees: its link samples need each group's collectives alone on
 the link (every step overlapped on the lab at 50 Mbit/s, auto read 232 kB payloads in 12 ms beside 48-byte
 headers waiting 20-45 ms for a peer still in its backward, fitted an infinite rate and sent fp32 for 8
-steps). auto's settled steps, 9 of every AGREE_EVERY once its plan stands, overlap and go unobserved
-(`_overlaps`): held, auto's hook held the backward 0.05-0.24 s a step at 50 Mbit/s where fixed low rank,
-overlapped, held none (bench/results/fsdp_lab_tta_50mbit_deec9c3.md).
+steps). auto's steps that sample no link (`Planner.observes`: a settled plan's, 9 of every AGREE_EVERY, and a trial's
+but its error measurement) overlap and go unobserved (`_overlaps`): held, auto's hook held the backward 0.05-0.24 s
+a step at 50 Mbit/s where fixed low rank, overlapped, held none (bench/results/fsdp_lab_tta_50mbit_deec9c3.md).
 
 The hook's process group is this rank's replicate group: the ranks that hold the same shard. auto,
 kimad and kimad+ run the DDP hook's planner (adaptive.py) on it: each shard position prices and plans
@@ -140,12 +140,13 @@ class FSDPCommState(CommState):
 
     def _overlaps(self) -> bool:
         """Whether this step's groups may cross the link while the backward goes on (`overlap`): with a fixed codec
-        every step; under a planner only a settled one (auto's steps between its agreements: `Planner.settled`),
-        whose collectives then go unobserved, as they share the link and the cores with the backward: the held
-        steps sample the link, each group's collectives alone."""
+        every step; under a planner one whose collectives are no samples of the link (`Planner.observes`: auto's
+        settled and trial steps but its agreements, error measurements and first steps), which then go unobserved,
+        as they share the link and the cores with the backward: the held steps sample the link, each group's
+        collectives alone."""
         if self.planner is None or not self.overlap:
             return self.overlap
-        overlaps = self.planner.settled(self.step)
+        overlaps = not self.planner.observes(self.step)
         if overlaps:
             self.pipeline.communicator.observer = None
         else:
@@ -356,8 +357,8 @@ def register(model: FSDPModule, mesh: DeviceMesh, config: "CommConfig | str" = "
     per FSDP group, the fastest option at the measured link, planned per shard position), a fixed codec
     (none, fp16/bf16, qsgd, gqsgd, gqsgd-exp, topk, randomk, lowrank) or kimad/kimad+. ``overlap``: a group's
     average crosses the link while the backward goes on, wherever FSDP reads the group's gradients only at
-    the backward's end (`FSDPCommState._unread`): every step with a fixed codec, auto's settled steps under
-    a planner (`FSDPCommState._overlaps`); False: every group's average holds the backward until it is done. Collective over the default group: raises PlanMismatchError on every rank when the
+    the backward's end (`FSDPCommState._unread`): every step with a fixed codec, under a planner the steps that
+    sample no link (`FSDPCommState._overlaps`); False: every group's average holds the backward until it is done. Collective over the default group: raises PlanMismatchError on every rank when the
     ranks' configs differ.
     """
     if not isinstance(overlap, bool):
