@@ -375,12 +375,15 @@ class AdaptivePlanner:
     def observes(self, step: int) -> bool:
         """Whether the step's collectives are samples of the link. A hook that overlaps them with the backward
         (netgain.comm.fsdp) holds such a step's instead, each group's alone on the link, and overlaps the others,
-        unobserved. auto observes a step on a new bucket layout, one that measures errors or climbs, and a settled
-        plan's agreement (one step in AGREE_EVERY); a trial and a plan awaiting its candidates' compiles run as a
+        unobserved. auto observes a step on a new bucket layout, one before a rate is fitted (a first plan's trial
+        measures the link: overlapped, fp16's ran 0.65 s a step under HSDP at 50 Mbit/s, and unobserved, priced
+        out, against 0.43 held), one that measures errors or climbs, and a settled plan's agreement (one step in
+        AGREE_EVERY); a trial and a plan awaiting its candidates' compiles run as a
         settled plan does, so that a trial prices a plan as it will run (under HSDP at 50 Mbit/s, held on trial, low
         rank's steps took 0.25-0.27 s against 0.21-0.23 settled, and gqsgd 8-bit, 0.28-0.31 either way, won the tie
         and ran for good), and a step beside a compile is no sample anyway. kimad and kimad+ observe every step."""
-        if self.mode != "auto" or not self.plan or self._stale or self.climbing or self.wants_errors(step):
+        if (self.mode != "auto" or not self.plan or self._stale or self.climbing or self.wants_errors(step)
+                or not self.monitor.agreed):
             return True
         return not (self.trying or self._awaiting) and (step + 1) % AGREE_EVERY == 0
 
@@ -656,6 +659,7 @@ class AdaptivePlanner:
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
         candidates = {key: (self._periods[key] * self._steps(choice), True, choice) for key, choice in measured.items()}
+        calibration = self._calibration(measured, predicted)
         for top in sorted(set(factors)):
             allowed = [[ok and factors[o] <= top for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
@@ -667,8 +671,21 @@ class AdaptivePlanner:
             if key in candidates or any(predicted(other) < (1 + TIE) * price for other in measured.values()
                                         if self._steps(other) == self._steps(choice)):
                 continue
-            candidates[key] = (price * self._steps(choice), False, choice)
+            candidates[key] = (price * calibration * self._steps(choice), False, choice)
         return candidates
+
+    def _calibration(self, measured: dict, predicted) -> float:
+        """The model's price of a plan not yet run, corrected by this run's measured plans: the least ratio of a
+        plan's measured step to the model's price of it, at least 1 (1 before any; prices from steps beside
+        compiles only left out). The least, so a new plan keeps the benefit of the doubt; at least 1, so a step
+        that read the link fast (a shaper's burst) makes no plan that would compile look cheap. The model leaves out what a plan
+        costs beyond its bytes and codec time (overlap lost, gloo's threads sharing the cores): under HSDP at
+        50 Mbit/s, with low rank measured at 0.22-0.27 s a step, auto tried fp16, which the model priced within
+        TRIAL_RANGE of it, for 8 steps at 0.36-0.41 s from its error measurement at step 49
+        (fsdp_lab_tta_50mbit_provisional_b8bef24.md, rounds 1 and 2)."""
+        ratios = [self._periods[key] / predicted(choice) for key, choice in measured.items()
+                  if key not in self._provisional]
+        return max(1.0, min(ratios, default=1.0))
 
     def _steps(self, choice: list[int]) -> float:
         """A plan's steps to the target as a multiple of fp32's: its slowest option's (steps_to_target)."""
