@@ -378,10 +378,10 @@ class AdaptivePlanner:
         unobserved. auto observes a step on a new bucket layout, one before a rate is fitted (a first plan's trial
         measures the link: overlapped, fp16's ran 0.65 s a step under HSDP at 50 Mbit/s, and unobserved, priced
         out, against 0.43 held), one that measures errors or climbs, and a settled plan's agreement (one step in
-        AGREE_EVERY); a trial and a plan awaiting its candidates' compiles run as a
-        settled plan does, so that a trial prices a plan as it will run (under HSDP at 50 Mbit/s, held on trial, low
-        rank's steps took 0.25-0.27 s against 0.21-0.23 settled, and gqsgd 8-bit, 0.28-0.31 either way, won the tie
-        and ran for good), and a step beside a compile is no sample anyway. kimad and kimad+ observe every step."""
+        AGREE_EVERY); a trial and a plan awaiting its candidates' compiles run as a settled plan does, so that a
+        trial prices a plan as it will run (under HSDP at 50 Mbit/s, held on trial, low rank's steps took
+        0.25-0.27 s against 0.21-0.23 settled, and gqsgd 8-bit, 0.28-0.31 either way, won the tie and ran for
+        good), and a step beside a compile is no sample anyway. kimad and kimad+ observe every step."""
         if (self.mode != "auto" or not self.plan or self._stale or self.climbing or self.wants_errors(step)
                 or not self.monitor.agreed):
             return True
@@ -678,10 +678,10 @@ class AdaptivePlanner:
         """The model's price of a plan not yet run, corrected by this run's measured plans: the least ratio of a
         plan's measured step to the model's price of it, at least 1 (1 before any; prices from steps beside
         compiles only left out). The least, so a new plan keeps the benefit of the doubt; at least 1, so a step
-        that read the link fast (a shaper's burst) makes no plan that would compile look cheap. The model leaves out what a plan
-        costs beyond its bytes and codec time (overlap lost, gloo's threads sharing the cores): under HSDP at
-        50 Mbit/s, with low rank measured at 0.22-0.27 s a step, auto tried fp16, which the model priced within
-        TRIAL_RANGE of it, for 8 steps at 0.36-0.41 s from its error measurement at step 49
+        that read the link fast (a shaper's burst) makes no plan that would compile look cheap. The model leaves
+        out what a plan costs beyond its bytes and codec time (overlap lost, gloo's threads sharing the cores):
+        under HSDP at 50 Mbit/s, with low rank measured at 0.22-0.27 s a step, auto tried fp16, which the model
+        priced within TRIAL_RANGE of it, for 8 steps at 0.36-0.41 s from its error measurement at step 49
         (fsdp_lab_tta_50mbit_provisional_b8bef24.md, rounds 1 and 2)."""
         ratios = [self._periods[key] / predicted(choice) for key, choice in measured.items()
                   if key not in self._provisional]
