@@ -77,15 +77,17 @@ def nan_after_a_plan(rank, world_size, plain):
         state.close()
 
 
-def auto_sending_bf16(rank, plain):
-    """auto after three clean steps, every bucket sent as bf16 from now on; plain: with no header."""
+def auto_sending_bf16(rank, plain, codec="bf16"):
+    """auto after three clean steps, every bucket sent as ``codec`` from now on (and planned so: `relays` reads the
+    plan); plain: with no header."""
     model = ddp(Layers())
     state = comm.register(model, "auto", min_compress_numel=0, replan_every=50)
     for step in range(3):
         model.zero_grad()
         model(step, rank).backward()
-    bf16 = next(option for option in state.chooser.options if option.name == "bf16")
-    state.chooser.codec_for = lambda index, numel: bf16
+    option = next(option for option in state.chooser.options if option.describe() == codec)
+    state.chooser.codec_for = lambda index, numel: option
+    state.chooser.plan = {index: (numel, option) for index, (numel, _) in state.chooser.plan.items()}
     state.chooser.plain = lambda step: plain
     return model, state
 
@@ -97,10 +99,12 @@ def test_nan_raises_on_every_rank_under_auto_between_its_measurements(plain):
                for status, message in results), results
 
 
-def plans_differ_on_rank_one(rank, world_size):
+def plans_differ_on_rank_one(rank, world_size, codec):
     """auto: three clean steps, then rank 1 believes it runs another plan; its steps go on with no header
-    (plain), so only the planner's agreement of the plan's signature can see it."""
-    model, state = auto_sending_bf16(rank, plain=True)
+    (plain), so only the planner's agreement of the plan's signature can see it. Low rank's steps run on the
+    pipeline's thread, bf16's from DDP's: the error reaches DDP's caller as its class either way."""
+    model, state = auto_sending_bf16(rank, plain=True, codec=codec)
+    assert state.chooser.plan and state.chooser.relays == codec.startswith("lowrank")
     try:
         if rank == 1:
             state.chooser._plan_key = ("another plan",)
@@ -111,8 +115,9 @@ def plans_differ_on_rank_one(rank, world_size):
         state.close()
 
 
-def test_a_plan_mismatch_between_ranks_raises_on_every_rank_at_the_agreement():
-    results = run(plans_differ_on_rank_one, 2)
+@pytest.mark.parametrize("codec", ["bf16", "lowrank(rank=4,factors=fp32)"])
+def test_a_plan_mismatch_between_ranks_raises_on_every_rank_at_the_agreement(codec):
+    results = run(plans_differ_on_rank_one, 2, codec)
     assert all(status == "error" and message.startswith("PlanMismatchError: ") and "ran different plans" in message
                for status, message in results), results
 

@@ -293,7 +293,7 @@ class AdaptivePlanner:
         # a kernel compiling in the background: the codecs ran eagerly and the compile took cores, so the step
         # prices no plan and no compute (on the lab at 1 Gbit/s, bf16's trial during the first compiles read
         # 0.21-0.38 s a step and kept that price, against 0.14 s once they were done)
-        # a step whose collectives went unobserved (FSDP's overlapped steps: `settled`) prices no compute and no link
+        # a step whose collectives went unobserved (FSDP's overlapped steps: `observes`) prices no compute and no link
         timed = float(bool(samples))
         self._pending.append([backward_s, codec_s, period_s, -1.0 if last is None or not timed else
                               max(0.0, period_s - link_time(samples) - codec_s), float(kernel.compiling()), timed])
@@ -366,9 +366,8 @@ class AdaptivePlanner:
 
     def settled(self, step: int) -> bool:
         """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
-        steps' times once every AGREE_EVERY steps, from what each rank recorded since. Known at the step's start,
-        so a hook may overlap the step's collectives with the backward (netgain.comm.fsdp) and leave them
-        unobserved: the agreement's step then samples the link alone."""
+        steps' times once every AGREE_EVERY steps, from what each rank recorded since (a hook that overlaps
+        unobserved steps holds those that `observes` names)."""
         return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
                 and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
 
@@ -659,7 +658,6 @@ class AdaptivePlanner:
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
         candidates = {key: (self._periods[key] * self._steps(choice), True, choice) for key, choice in measured.items()}
-        calibration = self._calibration(measured, predicted)
         for top in sorted(set(factors)):
             allowed = [[ok and factors[o] <= top for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
@@ -671,21 +669,8 @@ class AdaptivePlanner:
             if key in candidates or any(predicted(other) < (1 + TIE) * price for other in measured.values()
                                         if self._steps(other) == self._steps(choice)):
                 continue
-            candidates[key] = (price * calibration * self._steps(choice), False, choice)
+            candidates[key] = (price * self._steps(choice), False, choice)
         return candidates
-
-    def _calibration(self, measured: dict, predicted) -> float:
-        """The model's price of a plan not yet run, corrected by this run's measured plans: the least ratio of a
-        plan's measured step to the model's price of it, at least 1 (1 before any; prices from steps beside
-        compiles only left out). The least, so a new plan keeps the benefit of the doubt; at least 1, so a step
-        that read the link fast (a shaper's burst) makes no plan that would compile look cheap. The model leaves
-        out what a plan costs beyond its bytes and codec time (overlap lost, gloo's threads sharing the cores):
-        under HSDP at 50 Mbit/s, with low rank measured at 0.22-0.27 s a step, auto tried fp16, which the model
-        priced within TRIAL_RANGE of it, for 8 steps at 0.36-0.41 s from its error measurement at step 49
-        (fsdp_lab_tta_50mbit_provisional_b8bef24.md, rounds 1 and 2)."""
-        ratios = [self._periods[key] / predicted(choice) for key, choice in measured.items()
-                  if key not in self._provisional]
-        return max(1.0, min(ratios, default=1.0))
 
     def _steps(self, choice: list[int]) -> float:
         """A plan's steps to the target as a multiple of fp32's: its slowest option's (steps_to_target)."""
@@ -840,7 +825,7 @@ class AdaptivePlanner:
     def _option_cost(self, option_index: int, index: int, world_size: int) -> tuple[float, float]:
         """(seconds, payload bytes) of an option for a bucket: its header and payload collectives on the
         monitor's fit, plus codec work. The header counts as a one-parameter bucket's whether or not the
-        option has one: the hook sends it for every planned bucket (the plan check)."""
+        option has one (a plain plan sends none once settled, which its measured price shows)."""
         profile, numel = self._profiles[world_size][option_index], self._numels[index]
         payload = network.bucket_messages(numel, dataclasses.replace(profile, header_bytes=0, header_bytes_per_tensor=0),
                                           shapes=self._shapes.get(index) if profile.rank else None)

@@ -275,7 +275,9 @@ class Pipeline:
         if self.inline or job.inline:  # nothing to wait for: launch from here, as PyTorch's own hooks do
             self._run(job)
         else:
-            self.executor.submit(self._run, job)
+            ran = self.executor.submit(self._run, job)
+            if job.last and job.plain:  # its agreement is the step's only check of the plan: raised here as its class
+                ran.result()
         if job.last:
             _raise_verdicts(job.step_jobs)
 
@@ -297,7 +299,7 @@ class Pipeline:
             except Exception as error:  # the planner's agreement (a plan mismatch, a peer gone): every bucket fails
                 for j in jobs:
                     j.fail(error)
-                if job.inline:  # on DDP's thread: raised as its class
+                if job.plain:  # to DDP's thread (inline, or the last bucket's submit): raised as its class
                     raise
             with on_stream(self.stream, None):  # DDP sees the step's results once its statistics are in
                 for j in jobs:

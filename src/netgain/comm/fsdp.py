@@ -22,7 +22,7 @@ nothing and accumulates nothing (`FSDPCommState._unread`): there the hook starts
 the pipeline's thread and returns, so it crosses the link while the backward and the next groups'
 reduce-scatters go on, and the step's end waits for it (`overlap`, the default). Elsewhere the hook
 holds the backward until the group's average is done, and so does a planner's step that samples the
-link, measures errors, tries a plan or agrees: its link samples need each group's collectives alone on
+link (a first step, an error measurement, an agreement): its link samples need each group's collectives alone on
 the link (every step overlapped on the lab at 50 Mbit/s, auto read 232 kB payloads in 12 ms beside 48-byte
 headers waiting 20-45 ms for a peer still in its backward, fitted an infinite rate and sent fp32 for 8
 steps). auto's steps that sample no link (`Planner.observes`: a settled plan's, 9 of every AGREE_EVERY, and a trial's
