@@ -236,8 +236,14 @@ class AdaptivePlanner:
         tried with headers read 0.138-0.17 s a step against low rank's 0.108-0.135, which then ran 32 steps
         before fp16 took over. Where no codec of the plan `relays`, the step's collectives launch from the
         caller's thread."""
-        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.climbing or self._awaiting)
-                and not self.wants_errors(step) and not any(codec.needs_header for _, codec in self.plan.values()))
+        return (self._standing(step) and not self._awaiting
+                and not any(codec.needs_header for _, codec in self.plan.values()))
+
+    def _standing(self, step: int) -> bool:
+        """auto, with a plan that stands this step: planned on this layout, not climbing, measuring no errors (what
+        `plain`, `settled` and `observes` share)."""
+        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.climbing)
+                and not self.wants_errors(step))
 
     @property
     def relays(self) -> bool:
@@ -368,8 +374,7 @@ class AdaptivePlanner:
         """auto, its plan settled (planned, nothing tried, no errors due): the ranks agree on the link and the
         steps' times once every AGREE_EVERY steps, from what each rank recorded since (a hook that overlaps
         unobserved steps holds those that `observes` names)."""
-        return (self.mode == "auto" and bool(self.plan) and not (self._stale or self.trying or self.climbing or self._awaiting)
-                and (step + 1) % AGREE_EVERY != 0 and not self.wants_errors(step))
+        return self._standing(step) and not (self.trying or self._awaiting) and (step + 1) % AGREE_EVERY != 0
 
     def observes(self, step: int) -> bool:
         """Whether the step's collectives are samples of the link. A hook that overlaps them with the backward
@@ -381,10 +386,8 @@ class AdaptivePlanner:
         trial prices a plan as it will run (under HSDP at 50 Mbit/s, held on trial, low rank's steps took
         0.25-0.27 s against 0.21-0.23 settled, and gqsgd 8-bit, 0.28-0.31 either way, won the tie and ran for
         good), and a step beside a compile is no sample anyway. kimad and kimad+ observe every step."""
-        if (self.mode != "auto" or not self.plan or self._stale or self.climbing or self.wants_errors(step)
-                or not self.monitor.agreed):
-            return True
-        return not (self.trying or self._awaiting) and (step + 1) % AGREE_EVERY == 0
+        unsampled = self.trying or self._awaiting or (step + 1) % AGREE_EVERY != 0
+        return not (self._standing(step) and bool(self.monitor.agreed) and unsampled)
 
     def unfit_message(self) -> str:
         """Why the budget will be missed: no plan within max_error fits the budget at the measured link, or
