@@ -263,18 +263,28 @@ def test_a_kernel_compiles_once_hot_or_when_asked_ahead(compile_jobs, monkeypatc
     assert len(compile_jobs) == 2
 
 
-def test_a_hot_kernel_compiles_once_its_eager_calls_cost_what_the_compile_would(compile_jobs, monkeypatch):
-    """Ski rental: a hot variant stays eager until its eager seconds reach its compile's cost, a process's first
-    compile (dynamo's and inductor's set-up) dearer than a later one: a short run pays no compile it cannot pay back."""
+def test_a_hot_kernel_compiles_once_eager_calls_cost_what_the_compile_would(compile_jobs, monkeypatch):
+    """Ski rental: a hot variant stays eager until its own eager seconds reach a compile's cost, and a process's first
+    compile (dynamo's and inductor's set-up, paid once for all) until every kernel's eager seconds together reach its
+    dearer cost: a short run pays no compile it cannot pay back."""
     monkeypatch.setattr(kernel, "COMPILE_S", (3600.0, 0.0))
+    monkeypatch.setattr(kernel, "_eager_s", 0.0)
     monkeypatch.setattr(kernel, "compiled_kernels", lambda: 0)  # none yet: the first compile's cost is due
     x = torch.randn(3000)
     for _ in range(5):
         fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
     assert not compile_jobs
-    monkeypatch.setattr(kernel, "compiled_kernels", lambda: 1)  # another variant paid for the set-up
+    monkeypatch.setattr(kernel, "_eager_s", 3600.0)  # other kernels' eager calls paid for the set-up
     fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
     assert len(compile_jobs) == 1
+    monkeypatch.setattr(kernel, "_eager_s", 0.0)
+    monkeypatch.setattr(kernel, "compiled_kernels", lambda: 1)  # a compile already paid it
+    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
+    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
+    assert len(compile_jobs) == 2
+    monkeypatch.setattr(kernel, "COMPILE_S", (0.0, 3600.0))  # a variant pays its own compile first
+    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.75)
+    assert len(compile_jobs) == 2
 
 
 def test_kernels_called_cold_run_eagerly_and_gain_no_heat(compile_jobs):
