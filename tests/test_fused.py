@@ -190,20 +190,14 @@ def test_every_bit_width_packs_compiled(monkeypatch):
     assert not any(limits)
 
 
-def compile_every_call(monkeypatch):
-    """Every call of a kernel is worth a compile: no heat, no cost to pay back first."""
-    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
-    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
-    monkeypatch.setattr(kernel, "COMPILE_S", (0.0, 0.0))
-
-
 @pytest.fixture
 def compile_jobs(monkeypatch):
     """The compile thread's queue, taken here: the test builds what it likes. Graphs begun in the test are
     dropped afterwards, so no later caller waits for a compile that never ran."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    compile_every_call(monkeypatch)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)  # every call is worth a compile here
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
     jobs = []
     monkeypatch.setattr(kernel, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
     monkeypatch.setattr(kernel, "_compile_thread", "running")
@@ -263,30 +257,6 @@ def test_a_kernel_compiles_once_hot_or_when_asked_ahead(compile_jobs, monkeypatc
     assert len(compile_jobs) == 2
 
 
-def test_a_hot_kernel_compiles_once_eager_calls_cost_what_the_compile_would(compile_jobs, monkeypatch):
-    """Ski rental: a hot variant stays eager until its own eager seconds reach a compile's cost, and a process's first
-    compile (dynamo's and inductor's set-up, paid once for all) until every kernel's eager seconds together reach its
-    dearer cost: a short run pays no compile it cannot pay back."""
-    monkeypatch.setattr(kernel, "COMPILE_S", (3600.0, 0.0))
-    monkeypatch.setattr(kernel, "_eager_s", 0.0)
-    monkeypatch.setattr(kernel, "compiled_kernels", lambda: 0)  # none yet: the first compile's cost is due
-    x = torch.randn(3000)
-    for _ in range(5):
-        fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
-    assert not compile_jobs
-    monkeypatch.setattr(kernel, "_eager_s", 3600.0)  # other kernels' eager calls paid for the set-up
-    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.25)
-    assert len(compile_jobs) == 1
-    monkeypatch.setattr(kernel, "_eager_s", 0.0)
-    monkeypatch.setattr(kernel, "compiled_kernels", lambda: 1)  # a compile already paid it
-    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
-    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.5)
-    assert len(compile_jobs) == 2
-    monkeypatch.setattr(kernel, "COMPILE_S", (0.0, 3600.0))  # a variant pays its own compile first
-    fused.cast_scaled(torch.empty(3000, dtype=torch.float16), x, 0.75)
-    assert len(compile_jobs) == 2
-
-
 def test_kernels_called_cold_run_eagerly_and_gain_no_heat(compile_jobs):
     """Inside `cold` (a planner's unplanned codec) a kernel runs eagerly and never begins a compile, however often
     it is called; `compile_ahead` inside it still compiles (a plan warmed meanwhile); outside, the heat starts from 0."""
@@ -307,7 +277,8 @@ def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    compile_every_call(monkeypatch)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
     x = torch.randn(4099)
     expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
     first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
@@ -322,7 +293,8 @@ def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
     (dynamo's flag is process-wide: PyTorch's fp16_compress_hook returned a tensor to DDP while it was set)."""
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    compile_every_call(monkeypatch)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
 
     @kernel.kernel
     def scaled_sum(x, factor: float):
@@ -344,7 +316,8 @@ def test_a_module_called_beside_a_background_compile_runs_as_itself(monkeypatch)
 
     monkeypatch.setenv("NETGAIN_COMPILE", "auto")
     monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    compile_every_call(monkeypatch)
+    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
+    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
     monkeypatch.setattr(kernel, "_compile_thread", None)
     InterpreterShim._dummy_gm.cache_clear()
 

@@ -585,8 +585,8 @@ class LocalRoute:
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
-    averages the parameters every period, in summable codes; its codec's kernels run eagerly until their calls
-    have cost what a compile would, netgain.comm.kernel's rule, so the trial prices the route as it runs). Its
+    averages the parameters every period, in summable codes; its codec's kernels are not compiled ahead, and
+    compile only once hot, netgain.comm.kernel's rule, so the trial prices the route as it runs). Its
     price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,

@@ -34,22 +34,12 @@ COMPILE_OPTIONS = {"realize_reads_threshold": 64}
 # cores at 1 Gbit/s: 16 steps at 0.2-0.4 s against 0.14 s), so a variant is compiled only once its eager calls
 # take this share of the time since its first call (from its HOT_CALLS-th call on): it is hot, and a compile
 # pays. At 1.7M elements, 1 thread (eager vs compiled, ms): gqsgd's packing (41 vs 3.5 per 1M) called every
-# step takes a third of a 0.14 s step and is hot at its third call; the header's max |g| (5.1 vs 0.71),
+# step takes a third of a 0.14 s step and compiles at its third call; the header's max |g| (5.1 vs 0.71),
 # called at steps 0 and 1 and then once per 10 steps where no codec needs scales, takes 1-2% and stays eager;
 # so do the bf16 cast (0.99 vs 0.51) and low rank's small factor codes. `compile_ahead` compiles at once; on
 # CUDA every variant does.
 COMPILE_SHARE = 0.05
 HOT_CALLS = 3
-# And a hot variant compiles only once eager calls have cost what the compile would (ski rental: a run too short
-# to pay a compile back never starts it, and a long one pays at most twice the cheaper of compiling at once and
-# never): its own calls a later compile's cost (0.07-0.8 s on the lab's 2-core EPYC, inductor's cache warm), and
-# the process's first compile (dynamo's and inductor's imports and set-up: 1.9-3.3 s, 2.8 s of CPU) waits for
-# every kernel's eager calls together to have cost that (its set-up is paid once, for all). netgain.sync's 4-bit
-# average, called once per period (eager 0.03 s against 0.002 compiled on 1.7 M parameters), compiled at once
-# took 3.2-5.2 s per worker, 3 workers on 2 cores, and stalled the lab's 1 Gbit/s run for seconds in its first
-# steps; each variant paying the first compile's cost alone kept a fixed gqsgd 4-bit eager for its whole
-# 130-step run there (1.34-1.63x the fastest's time, against 1.02-1.14x compiled at its third call).
-COMPILE_S = (2.0, 0.3)  # seconds of eager calls that pay for (a process's first compile, a later one)
 
 
 def compile_mode(device: torch.device) -> str:
@@ -118,7 +108,6 @@ _KERNEL_CACHES: list[dict] = []  # every kernel's compiled variants
 _compiles: queue.SimpleQueue = queue.SimpleQueue()  # (variant, args, kwargs) for the compile thread
 _compile_thread: threading.Thread | None = None
 _compile_lock = threading.Lock()
-_eager_s = 0.0  # seconds of eager calls of kernels that would compile (background mode): what pays the first compile
 
 
 def compiled_kernels() -> int:
@@ -298,8 +287,7 @@ def _fx_tracing() -> bool:
 
 
 class _Eager:
-    """A CPU variant running eagerly until its calls take COMPILE_SHARE of the time since its first, and eager
-    calls have cost what its compile would (COMPILE_S)."""
+    """A CPU variant running eagerly until its calls take COMPILE_SHARE of the time since its first."""
     ready, failed = threading.Event(), True
     ready.set()
 
@@ -307,13 +295,9 @@ class _Eager:
         self.first, self.spent, self.calls = first, 0.0, 0
 
     def hot(self, start: float, end: float) -> bool:
-        global _eager_s
         self.spent += end - start
         self.calls += 1
-        _eager_s += end - start
-        first, later = COMPILE_S
-        return (self.calls >= HOT_CALLS and self.spent >= COMPILE_SHARE * (end - self.first) and self.spent >= later
-                and (_eager_s >= first or compiled_kernels() > 0))
+        return self.calls >= HOT_CALLS and self.spent >= COMPILE_SHARE * (end - self.first)
 
 
 def _own_code(fn):
