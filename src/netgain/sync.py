@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .comm.adaptive import TRIAL_RANGE
 from .comm import kernel
 from .comm.bucket import on_stream
-from .comm.codecs import NonFiniteGradientError, PlanMismatchError, check_integer
+from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
 from .comm.fsdp import FSDPCommState, laid, raise_on_every_shard, read_header, unlaid
 from .comm.config import CODEC_CONFIGS, STATELESS_CONFIGS as CONFIGS, CodecConfig, CommConfig, codec_config
 from .comm.fused import Segments, name_key
@@ -585,9 +585,8 @@ class LocalRoute:
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
-    averages the parameters every period, in summable codes; its codec's kernels are not compiled ahead, and
-    compile only once hot, netgain.comm.kernel's rule, so the trial prices the route as it runs). Its
-    price, from the trial's last
+    averages the parameters every period, in summable codes; its codec's kernels compiled ahead once the route is
+    priced within range, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
@@ -620,9 +619,25 @@ class LocalRoute:
         self._world_size = dist.get_world_size(state.process_group)
         self._payload = (sum(p.numel() for p in trained) * config.comm_config().codec.build().wire_bits(self._world_size)
                          / 8)  # one average's bytes
+        self._warmed = False
         self._early = False     # the trial began before the per-step plan was settled (`_choose`)
         self._measured = False  # and lost: its measured price waits for the settled plan's
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _warm(self) -> None:
+        """Run the route's codec once on a scratch copy of the parameters, its output dropped, so its kernels
+        compile in the background while the per-step plan serves; the trial waits for them (on the lab at
+        1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm).
+        Only once the route is priced within range: warmed at `offer`, its compile ran beside the run's first
+        steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against auto alone's 0.099 s in the same round,
+        time_to_accuracy_job1_1gbit_3w_a87f99f.md), even where the model then priced the route out."""
+        if self._warmed:
+            return
+        self._warmed = True
+        fragment = _Fragment.build(0, 0, self._named)
+        warm(self.config.comm_config().codec.build(), fragment.global_,
+             Context.for_step(self._world_size, fragment.layout.segments, 0, 0, dist.get_rank(self.state.process_group),
+                              layout=fragment.layout))
 
     def _after_step(self) -> None:
         now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
@@ -669,7 +684,7 @@ class LocalRoute:
         Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
         measured price. Before, a trial at once where the model prices the route below every per-step plan (the
         cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
-        largest bucket in 16 bits: AdaptivePlanner.best_price).
+        largest bucket in 16 bits: AdaptivePlanner.best_price); its kernels then compile beside those first steps.
         On the lab's second job
         at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
         took 0.3-0.4 s against the route's 0.2 (time_to_accuracy_job2_1gbit_3w_397296c.md). Such a trial keeps the
@@ -697,16 +712,14 @@ class LocalRoute:
             # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
             self.price, self.route_price, self.phase = price, predicted, "per-step-chosen"
             return
-        if self._compiling():  # the trial once no rank compiles: it prices no step beside a compile
+        self._warm()
+        if self._compiling():  # the trial once every rank's kernels are ready
             return
         self.price, self.route_price, self._early = price, predicted, settled is None
         self._enter("trial")
 
     def _compiling(self) -> bool:
-        """Whether a kernel compiles on any rank (a per-step candidate's warm-up): agreed, so every rank enters the
-        trial together. The route's own codec compiles ahead no more: its 4-bit kernels, compiled once the route
-        was priced within range, took 3.2-5.2 s per worker (3 workers on 2 cores at 1 Gbit/s), the process's first
-        compile, and its steps 3-9 ran at 0.19-1.00 s against 0.07 local (a probe at c5dbe09)."""
+        """Whether a kernel compiles on any rank (the warm-up's): agreed, so every rank enters the trial together."""
         flag = torch.tensor(float(kernel.compiling()))
         dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.state.process_group)
         return bool(flag.item())
@@ -719,7 +732,9 @@ class LocalRoute:
         return (self.state.planner.compute_s() + link_s / self.config.period) * self.steps
 
     def _enter(self, phase: str) -> None:
-        """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
+        """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
+        the trial or local steps warms the route's kernels here (no collective): compiled kernels are the process's."""
+        self._warm()
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group,
                                   shard_verdicts=False)
         self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
