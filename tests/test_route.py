@@ -39,7 +39,8 @@ def _routed(seed, price, predicted=0.0):
 
 
 def _steps(model, optimizer, route, rank, start, steps):
-    """Train; each step's (phase, whether the hook ran (a local step skips DDP's reducer), this rank's parameters)."""
+    """Train; each step's (phase, whether the hook ran (a local step skips DDP's reducer), this rank's parameters,
+    whether the route's codec ran eagerly (None while per-step))."""
     out = []
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
@@ -50,7 +51,8 @@ def _steps(model, optimizer, route, rank, start, steps):
         optimizer.step()
         assert (route.last_step.get("plan") == "local") == (route.state.step == hooked)
         out.append((route.phase, route.state.step > hooked,
-                    torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+                    torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                    None if route.sync is None else route.sync.eager))
     return out
 
 
@@ -62,8 +64,8 @@ def _gathered(params):
 
 def chosen(rank, world_size):
     """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), with the route
-    predicted beyond TRIAL_RANGE of it (no trial), and local winning while the route's kernels take one step to
-    compile (reported by a stand-in for `_compiling`: its first check, after the warm-up, not clear)."""
+    predicted beyond TRIAL_RANGE of it (no trial), and local winning while a kernel compiles for one more step
+    (reported by a stand-in for `_compiling`: its first check not clear)."""
     out = {}
     for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0),
                                    ("compiling", float("inf"), 0.0)):
@@ -75,8 +77,9 @@ def chosen(rank, world_size):
             steps = _steps(model, optimizer, route, rank, 0, 1 + TRIAL + 6)
         finally:
             route.close()
-        out[case] = {"phases": [phase for phase, _, _ in steps], "sent": [sent for _, sent, _ in steps],
-                     "equal": [_gathered(params) for _, _, params in steps], "warmed": route._warmed}
+        out[case] = {"phases": [phase for phase, *_ in steps], "sent": [sent for _, sent, *_ in steps],
+                     "equal": [_gathered(params) for _, _, params, _ in steps], "eager": [e for *_, e in steps],
+                     "warmed": route._warmed}
     return out
 
 
@@ -85,8 +88,9 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
     (replicas differ) but after each applied average (period 8, one step on the wire: steps 9, 17), when every
     replica holds the average. Local steps then stay (price infinite), or the per-step plan runs again from that
     average, replicas equal at every step and the hook sending every step (price near zero). A route the model
-    prices beyond TRIAL_RANGE x the per-step plan runs no trial and compiles nothing (its kernels are warmed only once
-    it is priced within range); one whose kernels still compile after that warm-up starts its trial a step later."""
+    prices beyond TRIAL_RANGE x the per-step plan runs no trial. The trial runs the route's codec eagerly and
+    compiles nothing; its kernels are warmed once it wins, never where it loses or runs no trial. Where a kernel
+    still compiles when the route is chosen, the trial starts once none does (a step later here)."""
     results = run(chosen, 2)
     assert all(status == "ok" for status, _ in results), results
     for _, value in results:
@@ -99,7 +103,8 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert per_step["phases"][TRIAL:] == ["per-step-chosen"] * (len(per_step["phases"]) - TRIAL)
         assert all(per_step["equal"][TRIAL:]) and all(per_step["sent"][TRIAL + 1:])
         assert untried["phases"] == ["per-step-chosen"] * len(untried["phases"]) and all(untried["equal"])
-        assert local["warmed"] and per_step["warmed"] and not untried["warmed"]
+        assert local["eager"][:TRIAL - 1] == [True] * (TRIAL - 1) and not any(local["eager"][TRIAL:])
+        assert local["warmed"] and not per_step["warmed"] and not untried["warmed"]
         waited = value["compiling"]["phases"]
         assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
 
@@ -125,8 +130,8 @@ def early(rank, world_size):
             steps = _steps(model, optimizer, route, rank, 0, TRIAL + 6)
         finally:
             route.close()
-        out[case] = {"phases": [phase for phase, _, _ in steps], "sent": [sent for _, sent, _ in steps],
-                     "equal": [_gathered(params) for _, _, params in steps]}
+        out[case] = {"phases": [phase for phase, *_ in steps], "sent": [sent for _, sent, *_ in steps],
+                     "equal": [_gathered(params) for _, _, params, _ in steps]}
     return out
 
 

@@ -251,6 +251,7 @@ class SyncOptimizer:
         self.shard_group = meshes[0].get_group() if meshes and shard_verdicts else None
         self.applied: list[dict] = []
         self.wait_s = 0.0
+        self.eager = False  # the codec runs eagerly and begins no compile (kernel.cold): auto's route on trial
         # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
         check_same_config(types.SimpleNamespace(describe=lambda: {"sync": config.describe(), "model": _signature(named)}),
                           process_group)
@@ -330,7 +331,7 @@ class SyncOptimizer:
         """On the sync thread: Δ becomes its mean over the ranks, through the codec (a CUDA decode is
         finished on return: reduce_flat synchronizes the device); returns the pipeline's record of it."""
         try:
-            with on_stream(self._stream, ready):
+            with on_stream(self._stream, ready), kernel.cold(self.eager):
                 self.comm.reduce_flat(fragment.index, fragment.delta, fragment.layout)
         except NonFiniteGradientError as error:  # the hook's hint, nonfinite='uncompressed', is no option here
             raise NonFiniteGradientError(f"the pseudo-gradient (global minus local parameters) of fragment {fragment.index}, "
@@ -585,8 +586,8 @@ class LocalRoute:
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
-    averages the parameters every period, in summable codes; its codec's kernels compiled ahead once the route is
-    priced within range, `_warm`). Its price, from the trial's last
+    averages the parameters every period, in summable codes; on trial its codec runs eagerly, and its kernels
+    compile ahead once the route has won, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
@@ -626,11 +627,14 @@ class LocalRoute:
 
     def _warm(self) -> None:
         """Run the route's codec once on a scratch copy of the parameters, its output dropped, so its kernels
-        compile in the background while the per-step plan serves; the trial waits for them (on the lab at
-        1 Gbit/s a trial with cold 4-bit kernels priced the route at 0.124 s a step against its 0.075 warm).
-        Only once the route is priced within range: warmed at `offer`, its compile ran beside the run's first
-        steps (on the lab at 1 Gbit/s, 3 workers on 2 cores, their median 0.368 s against auto alone's 0.099 s in the same round,
-        time_to_accuracy_job1_1gbit_3w_a87f99f.md), even where the model then priced the route out."""
+        compile in the background: once the route has won its trial (or is entered for good). The trial runs the
+        codec eagerly and begins no compile (SyncOptimizer.eager): 0.03 s an average against 0.002 compiled on the
+        lab's 1.72 M parameters, about 3.5 ms a step at 1 Gbit/s, so it prices the route a little dear. Compiled
+        before the trial, the kernels were often the process's first compile (dynamo's and inductor's set-up,
+        1.9-3.3 s alone on the lab's 2-core EPYC): 3.2-5.2 s per worker with 3 workers, and the per-step steps
+        waiting for it ran at 0.19-1.00 s, so that auto offered the route left round 0's race of two grids
+        (c5dbe09, de52428) even where it then lost the trial; where the compile's heat was left to the trial
+        (eb6cfcc), it turned hot inside it, and a 0.62 s step priced the route at 0.289 s against 0.122."""
         if self._warmed:
             return
         self._warmed = True
@@ -672,7 +676,8 @@ class LocalRoute:
             dist.all_reduce(step, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
             self.route_price = step.item() * self.steps
             if self.route_price < self.price:
-                self.phase = "local"
+                self.phase, self.sync.eager = "local", False
+                self._warm()
             else:
                 self._leave()
                 if self._early:
@@ -684,7 +689,7 @@ class LocalRoute:
         Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
         measured price. Before, a trial at once where the model prices the route below every per-step plan (the
         cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
-        largest bucket in 16 bits: AdaptivePlanner.best_price); its kernels then compile beside those first steps.
+        largest bucket in 16 bits: AdaptivePlanner.best_price).
         On the lab's second job
         at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
         took 0.3-0.4 s against the route's 0.2 (time_to_accuracy_job2_1gbit_3w_397296c.md). Such a trial keeps the
@@ -712,14 +717,14 @@ class LocalRoute:
             # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
             self.price, self.route_price, self.phase = price, predicted, "per-step-chosen"
             return
-        self._warm()
-        if self._compiling():  # the trial once every rank's kernels are ready
+        if self._compiling():  # the trial once no rank compiles: it prices no step beside a compile
             return
         self.price, self.route_price, self._early = price, predicted, settled is None
         self._enter("trial")
 
     def _compiling(self) -> bool:
-        """Whether a kernel compiles on any rank (the warm-up's): agreed, so every rank enters the trial together."""
+        """Whether a kernel compiles on any rank (a per-step candidate's): agreed, so every rank enters the trial
+        together."""
         flag = torch.tensor(float(kernel.compiling()))
         dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.state.process_group)
         return bool(flag.item())
@@ -732,11 +737,14 @@ class LocalRoute:
         return (self.state.planner.compute_s() + link_s / self.config.period) * self.steps
 
     def _enter(self, phase: str) -> None:
-        """Local steps from the next backward: every rank at the same step (its decision is agreed). A resume into
-        the trial or local steps warms the route's kernels here (no collective): compiled kernels are the process's."""
-        self._warm()
+        """Local steps from the next backward: every rank at the same step (its decision is agreed). On trial the
+        route's codec runs eagerly; entered for good (or resumed so), its kernels compile ahead here (no collective:
+        compiled kernels are the process's)."""
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group,
                                   shard_verdicts=False)
+        self.sync.eager = phase == "trial"
+        if not self.sync.eager:
+            self._warm()
         self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
         self.phase, self._times, self._waits = phase, [], []
         self._local(True)
