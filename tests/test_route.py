@@ -214,7 +214,9 @@ def test_under_fsdp2_each_shard_positions_replicas_take_the_route_or_not(tmp_pat
 
 
 def resumed(rank, world_size, path):
-    """Local steps, a save of rank 0's route state mid-period, more steps; a fresh run loads it and trains the same."""
+    """Local steps, a save of rank 0's route state mid-period (on trial), more steps (local by then); a fresh run
+    loads it and trains the same. The run that went on loads it too, into the SyncOptimizer it kept: eager again,
+    as on trial."""
     saved_at, more = 1 + ROUTE.period + 3, 10
     model, optimizer, route = _routed(0, float("inf"))
     try:
@@ -224,6 +226,9 @@ def resumed(rank, world_size, path):
             torch.save({"route": state, "model": model.module.state_dict()}, path)
         dist.barrier()
         first = _steps(model, optimizer, route, rank, saved_at, more)
+        went_on = route.phase, route.sync.eager
+        route.load_state_dict(torch.load(path, weights_only=True)["route"])
+        reloaded = route.phase, route.sync.eager
     finally:
         route.close()
     again, optimizer, route = _routed(1, float("inf"))  # another initialisation: the checkpoint replaces it
@@ -231,6 +236,7 @@ def resumed(rank, world_size, path):
         saved = torch.load(path, weights_only=True)
         again.module.load_state_dict(saved["model"])
         route.load_state_dict(saved["route"])
+        loaded = route.sync.eager
         second = _steps(again, optimizer, route, rank, saved_at, more)
         try:
             route.load_state_dict({"format": "x"})
@@ -240,13 +246,14 @@ def resumed(rank, world_size, path):
     finally:
         route.close()
     return {"phase": state["phase"], "same": all(a[0] == b[0] and torch.equal(a[2], b[2]) for a, b in zip(first, second)),
-            "refused": refused.startswith("not a netgain route state")}
+            "refused": refused.startswith("not a netgain route state"), "eager": (went_on, reloaded, loaded)}
 
 
 def test_a_resume_of_the_route_from_rank_zeros_checkpoint_is_bit_for_bit(tmp_path):
     for status, value in run(resumed, 2, str(tmp_path / "route.pt")):
         assert status == "ok", value
-        assert value == {"phase": "trial", "same": True, "refused": True}, value
+        assert value == {"phase": "trial", "same": True, "refused": True,
+                         "eager": (("local", False), ("trial", True), True)}, value
 
 
 def test_offer_explains_what_it_needs():

@@ -216,7 +216,8 @@ class SyncOptimizer:
     """DiLoCo around ``optimizer``: build it with `wrap`; call `step()` where you called ``optimizer.step()``.
 
     Attributes: ``optimizer`` (the inner one, yours: schedulers and zero_grad go to it), ``config``,
-    ``inner_steps``, ``comm`` (the codec pipeline's CommState: per-sync statistics in
+    ``inner_steps``, ``eager`` (the codec runs eagerly and begins no compile: auto's route on trial),
+    ``comm`` (the codec pipeline's CommState: per-sync statistics in
     ``comm.history``, the last in ``comm.last_step``), ``process_group``, and of the last `step()`
     (or `wait()`): ``applied``, the pipeline's records of the averages it applied (most steps: none;
     an average loaded from a checkpoint has none; the step is the schedule's, so every run has them
@@ -251,7 +252,7 @@ class SyncOptimizer:
         self.shard_group = meshes[0].get_group() if meshes and shard_verdicts else None
         self.applied: list[dict] = []
         self.wait_s = 0.0
-        self.eager = False  # the codec runs eagerly and begins no compile (kernel.cold): auto's route on trial
+        self.eager = False  # through kernel.cold, on the sync thread
         # Ranks compare config and model before new_group, which ranks that disagree would call on one side only
         check_same_config(types.SimpleNamespace(describe=lambda: {"sync": config.describe(), "model": _signature(named)}),
                           process_group)
@@ -628,8 +629,9 @@ class LocalRoute:
     def _warm(self) -> None:
         """Run the route's codec once on a scratch copy of the parameters, its output dropped, so its kernels
         compile in the background: once the route has won its trial (or is entered for good). The trial runs the
-        codec eagerly and begins no compile (SyncOptimizer.eager): 0.03 s an average against 0.002 compiled on the
-        lab's 1.72 M parameters, about 3.5 ms a step at 1 Gbit/s, so it prices the route a little dear. Compiled
+        codec eagerly and begins no compile (SyncOptimizer.eager): 0.03-0.06 s an average against 0.002 compiled on
+        the lab's 1.72 M parameters (one thread), about 3.5 ms a step at H=8 (derived), so it prices the route a
+        little dear. Compiled
         before the trial, the kernels were often the process's first compile (dynamo's and inductor's set-up,
         1.9-3.3 s alone on the lab's 2-core EPYC): 3.2-5.2 s per worker with 3 workers, and the per-step steps
         waiting for it ran at 0.19-1.00 s, so that auto offered the route left round 0's race of two grids
@@ -676,8 +678,7 @@ class LocalRoute:
             dist.all_reduce(step, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
             self.route_price = step.item() * self.steps
             if self.route_price < self.price:
-                self.phase, self.sync.eager = "local", False
-                self._warm()
+                self._set_phase("local")
             else:
                 self._leave()
                 if self._early:
@@ -737,17 +738,20 @@ class LocalRoute:
         return (self.state.planner.compute_s() + link_s / self.config.period) * self.steps
 
     def _enter(self, phase: str) -> None:
-        """Local steps from the next backward: every rank at the same step (its decision is agreed). On trial the
-        route's codec runs eagerly; entered for good (or resumed so), its kernels compile ahead here (no collective:
-        compiled kernels are the process's)."""
+        """Local steps from the next backward: every rank at the same step (its decision is agreed)."""
         self.sync = SyncOptimizer(self.model, self.optimizer, self.config, process_group=self.state.process_group,
                                   shard_verdicts=False)
-        self.sync.eager = phase == "trial"
+        self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
+        self._set_phase(phase)
+        self._times, self._waits = [], []
+        self._local(True)
+
+    def _set_phase(self, phase: str) -> None:
+        """The phase of a route taking local steps: on trial its codec runs eagerly; local for good (entered so,
+        won, or resumed so), its kernels compile ahead (no collective: compiled kernels are the process's)."""
+        self.phase, self.sync.eager = phase, phase == "trial"
         if not self.sync.eager:
             self._warm()
-        self.sync.comm.link = self.state.link  # the averages cross the hook's link (netgain train --emulate-link)
-        self.phase, self._times, self._waits = phase, [], []
-        self._local(True)
 
     def _local(self, local: bool) -> None:
         """Local steps skip DDP's reducer, as its no_sync() does: no gradient is copied into a bucket and the hook
@@ -858,6 +862,8 @@ class LocalRoute:
             if self.sync is not None:
                 self.sync.load_state_dict(saved["sync"])
         self.phase, self.price, self.route_price = route["phase"], route["price"], route.get("route_price")
+        if self.sync is not None:  # a SyncOptimizer kept from this run: eager as the loaded phase has it
+            self._set_phase(self.phase)
         self._early, self._measured = bool(route.get("early", False)), bool(route.get("measured", False))
         self._times, self._waits = [float(t) for t in route["times"]], [float(t) for t in route.get("waits", [])]
         self._last = None  # the next step's time from the last is none of the trial's (a load may call step())
