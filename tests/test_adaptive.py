@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import io
 import json
+import math
 import statistics
 import time
 
@@ -699,16 +700,25 @@ def test_auto_prices_low_rank_by_its_steps_to_the_target_not_its_step_alone():
 def test_auto_warms_a_plan_that_would_compile_before_it_tries_it():
     """gqsgd's kernels compile on their first calls, which run eagerly meanwhile: a cold gqsgd priced WARM_GAIN
     below the rest runs once on a copy of the bucket (`prepare`), the running plan serving; its trial starts once
-    the compiles are done. Before the step's other time is measured, nothing is warmed."""
+    the compiles are done. Before the step's other time is measured, nothing is warmed; nor before the steps run so
+    far, run again at what it saves a step, would repay the compiles' stall (WARM_STALL_S)."""
+    from netgain.comm.adaptive import WARM_STALL_S
     from netgain.comm.codecs import Context
     from netgain.comm.fused import Segments, name_key
 
     gigabit = {"bf16": 2e-8, "gqsgd": 1e-9, "lowrank": 1e-7}  # bf16's cast dear: gqsgd 4-bit far cheapest
     planner = one_bucket_auto(125e6, gigabit, warmed=False)
+    planner._steps_run = 10 ** 6
     planner._solve(2)
     assert not planner.warm and "gqsgd" not in planner.plan[0][1].describe()  # no compute measured yet
     planner._compute.append(0.05)
     planner._solve(2)
+    assert planner.warm
+    saving = planner._best_price - planner._cheapest[0]  # what the cold gqsgd would save a step
+    for steps_run, warmed in ((1, False), (math.floor(WARM_STALL_S / saving), False), (math.ceil(WARM_STALL_S / saving), True)):
+        planner._steps_run = steps_run
+        planner._solve(2)
+        assert bool(planner.warm) == planner._awaiting == warmed and "gqsgd" not in planner.plan[0][1].describe()
     four = [o.describe() for o in planner.options].index("gqsgd(bits=4,encoding=packed)")
     running = planner.plan[0][1].describe()
     assert (0, four) in planner.warm and planner._awaiting and "gqsgd" not in running

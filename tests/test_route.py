@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
 from netgain import cli
+from netgain.comm.adaptive import WARM_STALL_S
 from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer
 from netgain.train.cli import build_config
 from netgain.train.report import summarize
@@ -64,12 +65,15 @@ def _gathered(params):
 
 def chosen(rank, world_size):
     """The route with the per-step plan priced infinite (local wins), near zero (per-step wins), with the route
-    predicted beyond TRIAL_RANGE of it (no trial), and local winning while a kernel compiles for one more step
-    (reported by a stand-in for `_compiling`: its first check not clear)."""
+    predicted beyond TRIAL_RANGE of it (no trial), local winning while a kernel compiles for one more step
+    (reported by a stand-in for `_compiling`: its first check not clear), and local winning where its eager averages
+    have already cost WARM_STALL_S (as a long trial's would)."""
     out = {}
     for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0),
-                                   ("compiling", float("inf"), 0.0)):
+                                   ("compiling", float("inf"), 0.0), ("paid", float("inf"), 0.0)):
         model, optimizer, route = _routed(0, price, predicted)
+        if case == "paid":
+            route._rent = WARM_STALL_S
         if case == "compiling":
             answers = iter([True])
             route._compiling = lambda: next(answers, False)
@@ -89,8 +93,9 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
     replica holds the average. Local steps then stay (price infinite), or the per-step plan runs again from that
     average, replicas equal at every step and the hook sending every step (price near zero). A route the model
     prices beyond TRIAL_RANGE x the per-step plan runs no trial. The trial runs the route's codec eagerly and
-    compiles nothing; its kernels are warmed once it wins, never where it loses or runs no trial. Where a kernel
-    still compiles when the route is chosen, the trial starts once none does (a step later here)."""
+    compiles nothing; once it wins, the codec stays eager until its eager averages have cost WARM_STALL_S (far more
+    than this small model's take), and its kernels are warmed then; never where it loses or runs no trial. Where a
+    kernel still compiles when the route is chosen, the trial starts once none does (a step later here)."""
     results = run(chosen, 2)
     assert all(status == "ok" for status, _ in results), results
     for _, value in results:
@@ -103,8 +108,10 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert per_step["phases"][TRIAL:] == ["per-step-chosen"] * (len(per_step["phases"]) - TRIAL)
         assert all(per_step["equal"][TRIAL:]) and all(per_step["sent"][TRIAL + 1:])
         assert untried["phases"] == ["per-step-chosen"] * len(untried["phases"]) and all(untried["equal"])
-        assert local["eager"][:TRIAL - 1] == [True] * (TRIAL - 1) and not any(local["eager"][TRIAL:])
-        assert local["warmed"] and not per_step["warmed"] and not untried["warmed"]
+        assert all(local["eager"]) and not local["warmed"]  # its eager averages have not cost a compile's stall
+        paid = value["paid"]
+        assert paid["eager"][:TRIAL - 1] == [True] * (TRIAL - 1) and not any(paid["eager"][TRIAL:]) and paid["warmed"]
+        assert not per_step["warmed"] and not untried["warmed"]
         waited = value["compiling"]["phases"]
         assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
 
@@ -215,10 +222,11 @@ def test_under_fsdp2_each_shard_positions_replicas_take_the_route_or_not(tmp_pat
 
 def resumed(rank, world_size, path):
     """Local steps, a save of rank 0's route state mid-period (on trial), more steps (local by then); a fresh run
-    loads it and trains the same. The run that went on loads it too, into the SyncOptimizer it kept: eager again,
-    as on trial."""
+    loads it and trains the same. The run that went on, its eager averages' cost a compile's by then (compiled while
+    local), loads it too, into the SyncOptimizer it kept: eager again, as on trial."""
     saved_at, more = 1 + ROUTE.period + 3, 10
     model, optimizer, route = _routed(0, float("inf"))
+    route._rent = WARM_STALL_S
     try:
         _steps(model, optimizer, route, rank, 0, saved_at)
         state = route.state_dict()

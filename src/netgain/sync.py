@@ -59,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .comm.adaptive import TRIAL_RANGE
+from .comm.adaptive import TRIAL_RANGE, WARM_STALL_S
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
@@ -587,8 +587,8 @@ class LocalRoute:
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
-    averages the parameters every period, in summable codes; on trial its codec runs eagerly, and its kernels
-    compile ahead once the route has won, `_warm`). Its price, from the trial's last
+    averages the parameters every period, in summable codes; its codec runs eagerly, on trial and after, until its
+    eager averages have cost the stall a compile would (WARM_STALL_S), and then its kernels compile ahead, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
@@ -622,16 +622,19 @@ class LocalRoute:
         self._payload = (sum(p.numel() for p in trained) * config.comm_config().codec.build().wire_bits(self._world_size)
                          / 8)  # one average's bytes
         self._warmed = False
+        self._rent = 0.0        # the seconds its eager averages took so far (encode and decode, this rank's)
         self._early = False     # the trial began before the per-step plan was settled (`_choose`)
         self._measured = False  # and lost: its measured price waits for the settled plan's
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def _warm(self) -> None:
         """Run the route's codec once on a scratch copy of the parameters, its output dropped, so its kernels
-        compile in the background: once the route has won its trial (or is entered for good). The trial runs the
-        codec eagerly and begins no compile (SyncOptimizer.eager): 0.03-0.06 s an average against 0.002 compiled on
-        the lab's 1.72 M parameters (one thread), about 3.5 ms a step at H=8 (derived), so it prices the route a
-        little dear. Compiled
+        compile in the background: once the route is local (won, or entered for good) and its eager averages have
+        cost what the compile's stall would (ski rental, as auto's warm-ups: WARM_STALL_S), so a short run never
+        stalls for a compile it could not repay, and a long one pays at most twice the better choice's cost. Eager,
+        an average took 0.03-0.06 s against 0.002 compiled on the lab's 1.72 M parameters (one thread), about
+        3.5 ms a step at H=8 (derived): a trial's price is a little dear, and a compile repays its stall after
+        about a thousand steps. Compiled
         before the trial, the kernels were often the process's first compile (dynamo's and inductor's set-up,
         1.9-3.3 s alone on the lab's 2-core EPYC): 3.2-5.2 s per worker with 3 workers, and the per-step steps
         waiting for it ran at 0.19-1.00 s, so that auto offered the route left round 0's race of two grids
@@ -662,6 +665,10 @@ class LocalRoute:
             self.state.fail(error)  # raised on every rank of the mesh at the next backward's end
             return
         self._local_step = self.sync.last_step
+        if self.sync.eager:
+            self._rent += self._local_step["encode_s"] + self._local_step["decode_s"]
+            if self.phase == "local" and self._rent >= WARM_STALL_S:
+                self._set_phase("local")
         if self.phase != "trial":
             return
         if last is not None:  # (none in the first step after a resume)
@@ -748,8 +755,9 @@ class LocalRoute:
 
     def _set_phase(self, phase: str) -> None:
         """The phase of a route taking local steps: on trial its codec runs eagerly; local for good (entered so,
-        won, or resumed so), its kernels compile ahead (no collective: compiled kernels are the process's)."""
-        self.phase, self.sync.eager = phase, phase == "trial"
+        won, or resumed so), its kernels compile ahead once its eager averages have cost WARM_STALL_S (no
+        collective: compiled kernels are the process's, and give the same bits)."""
+        self.phase, self.sync.eager = phase, phase == "trial" or self._rent < WARM_STALL_S
         if not self.sync.eager:
             self._warm()
 

@@ -96,6 +96,12 @@ TRIAL_STEPS = 8
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
+# ... and only once what it would save by the run's end pays for the stall its compiles cost the steps, the run taken to
+# last as long again as it has so far (ski rental: a warm-up never costs more than twice what the better choice in
+# hindsight would have). The stall: on the lab at 1 Gbit/s, 3 workers on 2 cores, a gqsgd warm-up after step 49 (the
+# process's first compiles, 5.0-6.1 s per rank at nice 19) slowed steps 50-59 to 0.17-0.67 s against 0.12, 2.2 s in all
+# (a probe), and one in the f6b29a0 grid's round 0 slowed steps 40-58 by 4.2 s; auto then kept fp16 in both
+WARM_STALL_S = 4.0
 # auto waits at most this many seconds of steps for a warm-up's compiles; then it forgoes those options for the run. A CPU
 # compile runs at nice 19 on what the steps leave idle (kernel.py): on the lab at 1 Gbit/s, 3 workers on 2 cores, one had
 # not finished after 60 steps (30 s) that a lone process finished in 5 s (one timing each, at a load of 2-3), and
@@ -196,6 +202,7 @@ class AdaptivePlanner:
         self._awaited = 0.0                               # auto: agreed step seconds waited so far
         self._warming: set[tuple[int, int]] = set()       # auto: (bucket, option) whose warm-up is waited for
         self._forgone: set[tuple[int, int]] = set()       # auto: (bucket, option) whose compiles outlasted AWAIT_S
+        self._steps_run = 0                               # auto: steps ended so far (the run's length as yet: WARM_STALL_S)
         self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
@@ -293,7 +300,7 @@ class AdaptivePlanner:
     def _end_step(self, link, step: int, backward_s: float, codec_s: float) -> dict:
         # the step's other seconds (compute, the user's loop): from the previous step's end, less its communication
         now = time.perf_counter()
-        last, self._last_end = self._last_end, now
+        last, self._last_end, self._steps_run = self._last_end, now, step + 1
         samples = self.monitor.take_step()
         period_s = -1.0 if last is None else now - last
         # a kernel compiling in the background: the codecs ran eagerly and the compile took cores, so the step
@@ -604,7 +611,8 @@ class AdaptivePlanner:
         tie, won by the plan taking the fewest steps, then by the plan running (a measured price moves with the
         steps' noise: no switch for it). A candidate whose stateless options have
         not run on a bucket yet (cold: their kernels would compile) competes only if priced WARM_GAIN below the
-        best of the others: it is warmed first (`prepare`), and tried once their compiles are done (forgone for the
+        best of the others, by enough that the steps run so far, run again, would repay the compiles' stall
+        (WARM_STALL_S): it is warmed first (`prepare`), and tried once their compiles are done (forgone for the
         run if they take over AWAIT_S); meanwhile the others run."""
         safe = [[ok and (i, o) not in self._forgone for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
         warm = [[ok and not self._cold(i, o) for o, ok in enumerate(row)] for i, row in zip(indices, safe)]
@@ -615,9 +623,11 @@ class AdaptivePlanner:
         self._best_price = best[0]
         # a compile holds the GIL and the cores for seconds (on the lab at 1 Gbit/s, 3 workers on 2 cores: 16
         # steps at 0.2-0.4 s against 0.14 s), so a cold candidate is warmed only where the model prices it
-        # WARM_GAIN below the best that would not compile, with the step's other time measured
+        # WARM_GAIN below the best that would not compile, with the step's other time measured, and by enough to
+        # repay the stall within as many steps again as have run (WARM_STALL_S)
         cold = self._candidates(indices, times, errors, safe) if self._compute else {}
-        gaining = [c for key, c in cold.items() if key not in ready and c[0] * (1 + WARM_GAIN) < best[0]]
+        gaining = [c for key, c in cold.items() if key not in ready and c[0] * (1 + WARM_GAIN) < best[0]
+                   and (best[0] - c[0]) * self._steps_run >= WARM_STALL_S]
         self.warm = self._warming = {(i, o) for c in gaining for i, o in zip(indices, c[2]) if self._cold(i, o)}
         self._cheapest = ([min([best[0], *(c[0] for c in gaining)]), self.monitor.volume]
                           if self._compute and self.monitor.agreed else None)
