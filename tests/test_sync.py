@@ -8,6 +8,7 @@ number here is the same in every run.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -177,6 +178,40 @@ def _train(model, outer, rank, start, steps):
         outer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         outer.step()
+
+
+def eager_averages(rank, world_size):
+    """Compiles begun (kernels' names) by 2 periods of averages with the codec eager, then 2 more without: every
+    kernel called is worth a compile here (NETGAIN_COMPILE=auto, a compiler, no heat needed)."""
+    from netgain.comm import kernel
+
+    os.environ["NETGAIN_COMPILE"] = "auto"
+    kernel._compiler_present = lambda device_type: True
+    kernel.HOT_CALLS, kernel.COMPILE_SHARE = 1, 0.0
+    jobs = []
+    kernel._compiles = type("Queue", (), {"put": lambda self, job: jobs.append(job[0].fn.__name__)})()
+    kernel._compile_thread = "running"
+    torch.manual_seed(0)
+    model = _mlp()
+    outer = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), period=2, bits=4, overlap_steps=1)
+    outer.eager = True
+    _train(model, outer, rank, 0, 5)
+    outer.wait()
+    eager = list(jobs)
+    outer.eager = False
+    _train(model, outer, rank, 5, 4)
+    outer.wait()
+    outer.close()
+    return eager, jobs
+
+
+def test_an_eager_codec_begins_no_compile_on_any_thread():
+    """auto's route on trial runs its codec eagerly (SyncOptimizer.eager, kernel.cold on the sync thread): its decode,
+    run on the collective's callback thread, stays eager too. Not eager, the same averages begin compiles."""
+    for status, value in run(eager_averages, 2):
+        assert status == "ok", value
+        eager, every = value
+        assert eager == [] and every, value
 
 
 # fragments due at steps 2 (b), 4 (a), 6 (b), ...: the save after step 6 holds b's average on the wire

@@ -78,6 +78,12 @@ def cold(on: bool = True):
         _local.cold = before
 
 
+def is_cold() -> bool:
+    """Whether this thread runs inside `cold`: a caller whose work finishes on another thread (a collective's
+    callback decodes there) carries it over."""
+    return getattr(_local, "cold", False)
+
+
 @contextlib.contextmanager
 def compile_now():
     """Kernels first called inside compile here and now (on this thread): what a timing of the compiled
@@ -245,7 +251,7 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     def run(*args, **kwargs):
         mode = compile_mode(args[0].device)
         ahead = getattr(_local, "ahead", False)  # compiles at once, also inside `cold` (a plan warmed meanwhile)
-        if mode == "eager" or (getattr(_local, "cold", False) and not ahead):
+        if mode == "eager" or (is_cold() and not ahead):
             return fn(*args, **kwargs)
         key = (variant(*args, **kwargs) if variant else None, _argument_class(args))
         graph = compiled.get(key)
