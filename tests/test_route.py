@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
 from netgain import cli
-from netgain.comm.adaptive import WARM_STALL_S
-from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer
+from netgain.comm.adaptive import TIE, WARM_STALL_S
+from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer, route_wins
 from netgain.train.cli import build_config
 from netgain.train.report import summarize
 
@@ -262,6 +262,13 @@ def test_a_resume_of_the_route_from_rank_zeros_checkpoint_is_bit_for_bit(tmp_pat
         assert status == "ok", value
         assert value == {"phase": "trial", "same": True, "refused": True,
                          "eager": (("local", False), ("trial", True), True)}, value
+
+
+def test_the_route_wins_only_beyond_a_tie():
+    """The route's measured price must beat the per-step plan's by more than TIE: within it, a tie, and the per-step
+    plan, whose steps to the target are surer, runs on."""
+    assert route_wins(0.1, 0.2) and route_wins(0.1, (1 + TIE) * 0.1 * 1.001)
+    assert not route_wins(0.150, 0.152) and not route_wins(0.1, (1 + TIE) * 0.1) and not route_wins(0.2, 0.1)
 
 
 def test_offer_explains_what_it_needs():

@@ -59,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .comm.adaptive import TRIAL_RANGE, WARM_STALL_S
+from .comm.adaptive import TIE, TRIAL_RANGE, WARM_STALL_S
 from .comm import kernel
 from .comm.bucket import on_stream
 from .comm.codecs import Context, NonFiniteGradientError, PlanMismatchError, check_integer, warm
@@ -579,6 +579,15 @@ ROUTE_TRIAL_SYNCS = 2  # the route runs this many periods on trial, and is price
 ROUTE_FORMAT = "netgain.route/1"
 
 
+def route_wins(route_price: float, price: float) -> bool:
+    """Whether the route's measured price beats the per-step plan's: by more than TIE, as auto breaks its own ties,
+    toward the plan whose steps to the target are surer. The route's ROUTE_STEPS is an estimate (the fixed route took
+    1.35-1.41x fp32's steps on the lab's first job, 1.02x on the second), low rank's LOWRANK_STEPS too, fp32's exact.
+    On the first job at 50 Mbit/s the route won two trials by 1% (0.150 s against 0.152, 0.173 against 0.175) and
+    took 22.8 and 19.1 s to the target against `auto` alone's 16.6 and 15.0 (773b581, rounds 0 and 2)."""
+    return price > (1 + TIE) * route_price
+
+
 class LocalRoute:
     """auto's route of local steps beside its per-step plans: build it with `offer`.
 
@@ -590,7 +599,8 @@ class LocalRoute:
     averages the parameters every period, in summable codes; its codec runs eagerly, on trial and after, until its
     eager averages have cost the stall a compile would (WARM_STALL_S), and then its kernels compile ahead, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
-    rank's), times its steps to the target (``steps``); it stays where that is below the per-step plan's price,
+    rank's), times its steps to the target (``steps``); it stays where that is more than TIE below the per-step plan's
+    price (`route_wins`),
     else the per-step plan runs again from the average just applied (every replica then holds the same parameters, and the mean of the inner
     optimizer's states). The choice is made once, but for an early trial that lost: its price then meets the
     settled plan's.
@@ -684,7 +694,7 @@ class LocalRoute:
             step = torch.tensor(step, dtype=torch.float64)
             dist.all_reduce(step, dist.ReduceOp.MAX, group=self.state.process_group)  # the sync thread is idle
             self.route_price = step.item() * self.steps
-            if self.route_price < self.price:
+            if route_wins(self.route_price, self.price):
                 self._set_phase("local")
             else:
                 self._leave()
@@ -710,7 +720,7 @@ class LocalRoute:
         if self._measured:
             if settled is not None:
                 self.price, self._measured = settled, False
-                if self.route_price < settled:
+                if route_wins(self.route_price, settled):
                     self._enter("local")
                 else:
                     self.phase = "per-step-chosen"
