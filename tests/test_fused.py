@@ -15,6 +15,8 @@ from netgain.comm.codecs import Context
 from netgain.comm.feedback import EF21
 from netgain.comm.fused import Segments
 
+from compiles import compile_every_call, record_compiles
+
 SIZES = [3000, 1, 17, 2048, 5000, 999]  # parameters of a bucket: tiny ones, block-aligned ones, odd ones
 FACTOR_SIZES = [300] * 30 + [5]  # a low-rank factor payload's columns
 CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("qsgd", {"bits": 6}), ("gqsgd", {"bits": 8, "encoding": "int8"}),
@@ -194,13 +196,8 @@ def test_every_bit_width_packs_compiled(monkeypatch):
 def compile_jobs(monkeypatch):
     """The compile thread's queue, taken here: the test builds what it likes. Graphs begun in the test are
     dropped afterwards, so no later caller waits for a compile that never ran."""
-    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "HOT_CALLS", 1)  # every call is worth a compile here
-    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
-    jobs = []
-    monkeypatch.setattr(kernel, "_compiles", type("Queue", (), {"put": lambda self, job: jobs.append(job)})())
-    monkeypatch.setattr(kernel, "_compile_thread", "running")
+    compile_every_call(monkeypatch.setattr, monkeypatch.setenv)
+    jobs = record_compiles(monkeypatch.setattr)
     before = [dict(cache) for cache in kernel._KERNEL_CACHES]
     yield jobs
     for cache, kept in zip(kernel._KERNEL_CACHES, before):
@@ -275,10 +272,7 @@ def test_kernels_called_cold_run_eagerly_and_gain_no_heat(compile_jobs):
 
 def test_background_compile_ends_in_the_compiled_path(monkeypatch):
     """The real compile thread: a run's later calls take compiled code, bit-identical to eager."""
-    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
-    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
+    compile_every_call(monkeypatch.setattr, monkeypatch.setenv)
     x = torch.randn(4099)
     expected = fused.cast_scaled.eager(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
     first = fused.cast_scaled(torch.empty(4099, dtype=torch.bfloat16), x, 0.1875)
@@ -291,10 +285,7 @@ def test_background_compile_ends_in_the_compiled_path(monkeypatch):
 def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
     """While the compile thread compiles, torch.compiler.is_compiling() stays false on every other thread
     (dynamo's flag is process-wide: PyTorch's fp16_compress_hook returned a tensor to DDP while it was set)."""
-    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
-    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
+    compile_every_call(monkeypatch.setattr, monkeypatch.setenv)
 
     @kernel.kernel
     def scaled_sum(x, factor: float):
@@ -314,10 +305,7 @@ def test_a_module_called_beside_a_background_compile_runs_as_itself(monkeypatch)
     NameError. The dummy is built on the caller's thread before the compile thread starts."""
     from torch._inductor.loop_body import InterpreterShim
 
-    monkeypatch.setenv("NETGAIN_COMPILE", "auto")
-    monkeypatch.setattr(kernel, "_compiler_present", lambda device_type: True)
-    monkeypatch.setattr(kernel, "HOT_CALLS", 1)
-    monkeypatch.setattr(kernel, "COMPILE_SHARE", 0.0)
+    compile_every_call(monkeypatch.setattr, monkeypatch.setenv)
     monkeypatch.setattr(kernel, "_compile_thread", None)
     InterpreterShim._dummy_gm.cache_clear()
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from netgain.comm import GlobalQSGDConfig
 from netgain.sync import NonFiniteGradientError, PlanMismatchError, SyncConfig, wrap
 
+from compiles import compile_every_call, record_compiles
 from distributed import mse_step, run, shard_state, sharded_mlp
 
 
@@ -183,26 +184,20 @@ def _train(model, outer, rank, start, steps):
 def eager_averages(rank, world_size):
     """Compiles begun (kernels' names) by 2 periods of averages with the codec eager, then 2 more without: every
     kernel called is worth a compile here (NETGAIN_COMPILE=auto, a compiler, no heat needed)."""
-    from netgain.comm import kernel
-
-    os.environ["NETGAIN_COMPILE"] = "auto"
-    kernel._compiler_present = lambda device_type: True
-    kernel.HOT_CALLS, kernel.COMPILE_SHARE = 1, 0.0
-    jobs = []
-    kernel._compiles = type("Queue", (), {"put": lambda self, job: jobs.append(job[0].fn.__name__)})()
-    kernel._compile_thread = "running"
+    compile_every_call(setattr, os.environ.__setitem__)
+    jobs = record_compiles(setattr)
     torch.manual_seed(0)
     model = _mlp()
     outer = wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), period=2, bits=4, overlap_steps=1)
     outer.eager = True
     _train(model, outer, rank, 0, 5)
     outer.wait()
-    eager = list(jobs)
+    eager = [job[0].fn.__name__ for job in jobs]
     outer.eager = False
     _train(model, outer, rank, 5, 4)
     outer.wait()
     outer.close()
-    return eager, jobs
+    return eager, [job[0].fn.__name__ for job in jobs]
 
 
 def test_an_eager_codec_begins_no_compile_on_any_thread():
