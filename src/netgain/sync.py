@@ -642,9 +642,9 @@ class LocalRoute:
         compile in the background: once the route is local (won, or entered for good) and its eager averages have
         cost what the compile's stall would (ski rental, as auto's warm-ups: WARM_STALL_S), so a short run never
         stalls for a compile it could not repay, and a long one pays at most twice the better choice's cost. Eager,
-        an average took 0.03-0.06 s against 0.002 compiled on the lab's 1.72 M parameters (one thread), about
-        3.5 ms a step at H=8 (derived): a trial's price is a little dear, and a compile repays its stall after
-        about a thousand steps. Compiled
+        an average took 0.03-0.06 s against 0.002 compiled on the lab's 1.72 M parameters (one process, one
+        thread), and 0.11-0.19 s with 3 ranks on 2 cores (a probe): the rent reaches 4 s after some 20-130
+        averages, 160-1000 steps at H=8 (derived), and a trial's price is a little dear. Compiled
         before the trial, the kernels were often the process's first compile (dynamo's and inductor's set-up,
         1.9-3.3 s alone on the lab's 2-core EPYC): 3.2-5.2 s per worker with 3 workers, and the per-step steps
         waiting for it ran at 0.19-1.00 s, so that auto offered the route left round 0's race of two grids
