@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import netgain.comm as comm
 from netgain.comm import adaptive
-from netgain.comm.adaptive import (MAX_ERROR, OVERRUN_EXCEEDANCE, RISE_VOLUME, TRIAL_RANGE, TRIAL_SKIP, TRIAL_STEPS, AdaptivePlanner,
+from netgain.comm.adaptive import (LOWRANK_STEPS, MAX_ERROR, OVERRUN_EXCEEDANCE, RISE_VOLUME, TRIAL_RANGE, TRIAL_SKIP, TRIAL_STEPS, AdaptivePlanner,
                                    option_error)
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
@@ -253,10 +253,12 @@ def test_auto_checkpoint_carries_its_measured_prices_and_the_rate_believed_at_vo
     planner.monitor.update(1.25e6, 0.001, 0.0, 3e6)
     planner._compute.extend([0.12, 0.13])
     planner._periods[((0, 1000, 5),)] = 0.15
+    planner._periods[((0, 1000, 2),)], planner._short = 0.2, {((0, 1000, 2),)}  # priced out before it cleared
     planner._priced_rate = 1.25e6
     resumed = comm.AutoConfig().build()
     resumed.load_state_dict(torch.load(io.BytesIO(_saved(planner.state_dict())), weights_only=True))
-    assert resumed._periods == {((0, 1000, 5),): 0.15} and resumed._priced_rate == 1.25e6
+    assert resumed._periods == {((0, 1000, 5),): 0.15, ((0, 1000, 2),): 0.2} and resumed._priced_rate == 1.25e6
+    assert resumed._short == {((0, 1000, 2),)}
     assert resumed.compute_s() == planner.compute_s() == 0.125
     assert resumed.monitor.update(25e6, 0.001, 0.0, 80e3) == 1.25e6 and resumed.monitor.volume == 3e6
 
@@ -805,11 +807,63 @@ def test_a_price_from_steps_beside_compiles_only_is_dropped_once_the_compiles_en
                                                  (TRIAL_RANGE * 0.1 * 0.8, TRIAL_STEPS)])
 def test_a_trial_priced_beyond_the_range_of_the_best_candidate_ends_at_its_first_clear_step(step_s, ends_after):
     """A plan tried on a first guess (fp32 before the link was measured) that its first clear step prices beyond
-    TRIAL_RANGE x the best candidate's price ends there; one within the range runs its TRIAL_STEPS."""
+    TRIAL_RANGE x the best candidate's price ends there; one within the range runs its TRIAL_STEPS. Priced on one
+    step, the first is short: its next trial runs its TRIAL_STEPS whatever they cost, and then it is measured."""
     planner = comm.AutoConfig().build()
     planner.trying, planner._plan_key, planner._best_price = True, ((0, 100, 0),), 0.1  # option 0: none, fp32's steps
-    results = [planner._price_plan(step_s) for _ in range(TRIAL_STEPS)]
-    assert results.index(True) == ends_after - 1 and planner._periods[planner._plan_key] == step_s
+    assert _steps_until_priced(planner, step_s) == ends_after and planner._periods[planner._plan_key] == step_s
+    assert planner._short == ({planner._plan_key} if ends_after < TRIAL_STEPS else set())
+    planner._plan_steps = 0
+    planner._running.clear()
+    assert _steps_until_priced(planner, step_s) == TRIAL_STEPS and not planner._short
+
+
+def _steps_until_priced(planner, step_s) -> int:
+    """How many steps of step_s the trial running takes to be priced (at most 2 x TRIAL_STEPS)."""
+    return next(k + 1 for k in range(2 * TRIAL_STEPS) if planner._price_plan(step_s))
+
+
+def _auto_with_prices(compute_s, prices, model=None):
+    """one_bucket_auto at 1 Gbit/s with these plans measured (description -> step seconds), `model` (description ->
+    a step's seconds the model prices) for the others; every other option's codec 1 s a step (priced out)."""
+    planner = one_bucket_auto(125e6, compute_s=compute_s)
+    names = [o.describe() for o in planner.options]
+    model = model or {}
+    wire = {name: planner._option_cost(k, 0, 2)[0] for k, name in enumerate(names)}  # every codec free
+    planner._profiles[2] = [dataclasses.replace(p, encode_s_per_elem=(model[name] - compute_s - wire[name]) / 1e6
+                                                if name in model else 1e-6) for name, p in zip(names, planner._profiles[2])]
+    planner._periods = {((0, 1_000_000, names.index(name)),): seconds for name, seconds in prices.items()}
+    return planner, names
+
+
+@pytest.mark.parametrize("ratio, tried", [(1.1, False), (0.9, True)])
+def test_a_plan_taking_more_steps_than_the_cheapest_measured_is_tried_only_where_priced_below_it(ratio, tried):
+    """A lossier plan's trial costs progress as well as time, and its price rests on an estimate of its steps: with
+    fp16 measured and running, low rank with 8-bit factors (1.25x the steps) that the model prices 10% above it,
+    within TRIAL_RANGE, runs no trial (on the lab at 1 Gbit/s such trials measured 0.145-0.213 s against fp16's
+    0.119-0.127); priced 10% below, it is tried."""
+    eight = "lowrank(rank=4,factors=gqsgd,bits=8)"
+    planner, names = _auto_with_prices(0.05, {"fp16": 0.12}, {eight: ratio * 0.12 / LOWRANK_STEPS["gqsgd"]})
+    planner._plan_key = ((0, 1_000_000, names.index("fp16")),)
+    planner._solve(2)
+    assert (planner.plan[0][1].describe(), planner.trying) == (eight if tried else "fp16", tried)
+
+
+def test_a_plan_priced_out_before_it_cleared_is_tried_again_before_a_lossier_one_beats_it():
+    """fp16's first trial, priced out on one noisy step (0.13 s) by the model's guess from the first step's bound,
+    is short; low rank then measured 0.1 s a step (x 1.15 steps: 0.115): fp16 runs its trial again rather than
+    lose to low rank beyond the tie (on the lab at 1 Gbit/s fp16 was so priced on one step of 0.157 s, low rank
+    won, and took 139 steps to the fp16 hook's 118). Measured at 0.117, fp16 then runs."""
+    fp32_factors = "lowrank(rank=4,factors=fp32)"
+    planner, names = _auto_with_prices(0.05, {"fp16": 0.13, fp32_factors: 0.1})
+    fp16 = ((0, 1_000_000, names.index("fp16")),)
+    planner._short, planner._plan_key = {fp16}, ((0, 1_000_000, names.index(fp32_factors)),)
+    planner._solve(2)
+    assert planner.plan[0][1].describe() == "fp16" and planner.trying
+    for _ in range(TRIAL_STEPS):
+        planner._price_plan(0.117)
+    planner._solve(2)
+    assert planner.plan[0][1].describe() == "fp16" and not planner.trying and not planner._short
 
 
 def test_prices_stand_for_the_first_finite_rate_and_an_infinite_one_is_no_rate():
@@ -1082,3 +1136,22 @@ def test_plan_ahead_prices_autos_plan_on_a_link_given_not_measured():
     link = network.Link("test-100mbit", bandwidth=100e6 / 8, latency=1e-4)
     ahead = AdaptivePlanner("auto").plan_ahead([1 << 20, 1 << 16], None, 4, link, compute_s=0.1, cost="free")
     assert len(ahead["plan"]) == 2 and ahead["step_s"] > 0.1 and ahead["steps"] >= 1.0
+
+
+def test_a_trial_runs_until_it_is_priced_whatever_the_rate_reads_meanwhile():
+    """A re-plan during a trial chose afresh and could cut it short unpriced: on the lab at 1 Gbit/s the rate read
+    off low rank's own small messages fell 2-6x, and its trial was cut after 2 steps, twice. Here the link reads 10x
+    slower from the trial's first step on (8-bit factors then priced cheapest): the plan stands until its TRIAL_STEPS are priced."""
+    planner, link = one_bucket_auto(6.25e6, compute_s=0.12), OneRankLink()
+    planner.monitor.clock = Clock()
+    planner._solve(2)
+    tried = planner._plan_key
+    assert planner.trying and planner.plan[0][1].describe() == "lowrank(rank=4,factors=fp32)"
+    keys = []
+    for step in range(TRIAL_STEPS + 1):
+        for nbytes in (16, 1_000_000, 2_000_000):
+            planner.monitor.observe("allreduce", nbytes, 0.0005 + nbytes / 0.625e6, 2)
+        planner.end_step(link, step, 0.01, 0.0)
+        keys.append(planner._plan_key)
+    assert planner.monitor.bandwidth < 6.25e6 / 3  # the move a re-plan follows
+    assert keys[:-1] == [tried] * TRIAL_STEPS and tried in planner._periods and not planner.trying

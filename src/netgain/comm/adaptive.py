@@ -191,6 +191,7 @@ class AdaptivePlanner:
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
         self._provisional: set[tuple] = set()             # auto: plans priced by steps beside a compile only
+        self._short: set[tuple] = set()                   # auto: plans whose trial was priced out before it cleared
         self.trying = False                               # auto: the plan running now is tried for its price
         self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
         self._cheapest: list[float] | None = None         # auto: [the cheapest's price, a cold one's too; the link's volume then]
@@ -355,8 +356,12 @@ class AdaptivePlanner:
         moved = self._link_moved()
         if moved:
             self._watch_rate()
-        replanned = bandwidth is not None and bool(self.errors) and (measured or self.climbing or moved or priced or warmed
-                                                                     or starved or reopened)
+        # auto: a trial runs until it is priced; a re-plan meanwhile (a rate read off the trial's own messages, errors
+        # due) chose afresh and could cut it short: on the lab at 1 Gbit/s low rank's trial was cut twice after 2 steps,
+        # unpriced, and ran again at step 49 (a probe)
+        trial = self.mode == "auto" and self.trying and not self._stale
+        replanned = bandwidth is not None and bool(self.errors) and (
+            priced or self.climbing or not trial and (measured or moved or warmed or starved or reopened))
         if replanned:
             fitted_before = self.fits
             self._agree_profiles(link)
@@ -442,7 +447,8 @@ class AdaptivePlanner:
                 "backward_s": self._backward_s, "compute": list(self._compute), "overruns": list(self._overruns),
                 "periods": [[list(map(list, key)), seconds] for key, seconds in self._periods.items()],
                 "priced_rate": self._priced_rate, "witness": copy.deepcopy(self._witness),
-                "provisional": [list(map(list, key)) for key in self._provisional], "plan": self._plan_state()}
+                "provisional": [list(map(list, key)) for key in self._provisional],
+                "short": [list(map(list, key)) for key in self._short], "plan": self._plan_state()}
 
     def _plan_state(self) -> dict:
         """The plan (bucket, numel, option index), the errors and shapes it was solved on, and how far it is priced."""
@@ -467,6 +473,7 @@ class AdaptivePlanner:
         self._periods = {tuple(map(tuple, key)): seconds for key, seconds in state.get("periods", [])}
         self._priced_rate, self._witness = state.get("priced_rate"), copy.deepcopy(state.get("witness"))
         self._provisional = {tuple(map(tuple, key)) for key in state.get("provisional", [])}
+        self._short = {tuple(map(tuple, key)) for key in state.get("short", [])}
         self._overruns.clear()
         self._overruns.extend(state.get("overruns", []))
         if "plan" in state:  # (a state saved without it re-plans from the next step's measurements)
@@ -607,7 +614,15 @@ class AdaptivePlanner:
         communication time the one that errs least. A candidate's step is its measured step time once it
         ran TRIAL_STEPS on this link (_price_plan), else predicted: the step's other time (compute_s) plus
         its communication. The cheapest candidate wins, unless one not yet measured is predicted within
-        TRIAL_RANGE of it: that one runs next, to be measured (`trying`). Prices within TIE of the cheapest are a
+        TRIAL_RANGE of it: that one runs next, to be measured (`trying`), and runs until it is priced (`_end_step`).
+        One taking more steps to the target than the cheapest measured plan is tried only where predicted below
+        it: its trial costs progress as well as time, and its price rests on an estimate of its steps (on the lab at
+        1 Gbit/s, after fp32 factors measured a tie with fp16, 8-bit factors were tried at 0.145-0.213 s to the
+        target per fp32 step against fp16's 0.119-0.127, a probe). A plan whose trial was priced out before it cleared
+        (`_short`, priced on as little as one step) is not yet measured: it may run its trial again, to the end
+        (on the lab at 1 Gbit/s fp16 priced on its first clear step of 0.157 s lost to low rank, which then took 139
+        steps to the fp16 hook's 118: time_to_accuracy_job1_eager_decode_1gbit_3w_0981243.json, round 1, inferred
+        from the step's time). Prices within TIE of the cheapest are a
         tie, won by the plan taking the fewest steps, then by the plan running (a measured price moves with the
         steps' noise: no switch for it). A candidate whose stateless options have
         not run on a bucket yet (cold: their kernels would compile) competes only if priced WARM_GAIN below the
@@ -632,7 +647,9 @@ class AdaptivePlanner:
         self._cheapest = ([min([best[0], *(c[0] for c in gaining)]), self.monitor.volume]
                           if self._compute and self.monitor.agreed else None)
         self._awaiting = bool(self.warm)
-        untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
+        surest = min((c for c in ready.values() if c[1]), key=lambda c: c[0], default=None)
+        untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0] and (
+            surest is None or self._steps(c[2]) <= self._steps(surest[2]) or c[0] < surest[0])]
         # a lone candidate not yet measured is tried too: a trial priced out ends early, and the re-plan then scales
         # the model by the overrun (under HSDP on the lab at 100 Mbit/s, a lone first plan of fp32 and fp16 ran 8
         # steps at 0.49 s against the 0.31 s of the plan that followed)
@@ -670,7 +687,8 @@ class AdaptivePlanner:
 
         measured = {key: choice for key, choice in ((key, self._choice_of(key, indices)) for key in self._periods)
                     if choice is not None and all(row[c] for row, c in zip(safe, choice))}
-        candidates = {key: (self._periods[key] * self._steps(choice), True, choice) for key, choice in measured.items()}
+        candidates = {key: (self._periods[key] * self._steps(choice), key not in self._short, choice)
+                      for key, choice in measured.items()}
         for top in sorted(set(factors)):
             allowed = [[ok and factors[o] <= top for o, ok in enumerate(row)] for row in safe]
             if not all(any(row) for row in allowed):
@@ -733,9 +751,14 @@ class AdaptivePlanner:
         clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
         # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
         # tried, let alone kept (on the lab at 50 Mbit/s under HSDP, a first plan made before the link was measured
-        # tried fp32 for 8 steps at 1.55 s against the 0.7 s of gqsgd 8-bit's)
-        outpriced = (bool(self._running) and self._best_price is not None
-                     and self._running_price() > TRIAL_RANGE * self._best_price)
+        # tried fp32 for 8 steps at 1.55 s against the 0.7 s of gqsgd 8-bit's). Priced on so few steps, it is short
+        # (`_short`): its next trial runs until clear
+        outpriced = (self.trying and not clear and bool(self._running) and self._best_price is not None
+                     and self._plan_key not in self._short and self._running_price() > TRIAL_RANGE * self._best_price)
+        if outpriced:
+            self._short.add(self._plan_key)
+        elif clear:
+            self._short.discard(self._plan_key)
         return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
 
     def _reopen(self, compiling: bool) -> bool:
