@@ -75,7 +75,6 @@ def test_compiled_and_eager_codes_are_identical(name, params, sizes, min_rows, m
 def test_noise_is_a_pure_function_of_keys_and_independent_of_the_layout():
     forward, backward = segments(), segments(list(reversed(range(len(SIZES)))))
     keys_f, keys_b = fused.step_keys(forward.keys, 3, 7, 1), fused.step_keys(backward.keys, 3, 7, 1)
-    x = torch.zeros(sum(SIZES))
     noise_f = noise(forward, keys_f)
     noise_b = noise(backward, keys_b)
     parts_f = dict(zip(range(len(SIZES)), noise_f.split(SIZES)))

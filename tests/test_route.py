@@ -9,6 +9,7 @@ the codecs' noise is counter-based, so every number is the same in every run.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import netgain.comm as comm
 from netgain import cli
 from netgain.comm.adaptive import TIE, WARM_STALL_S
-from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, offer, route_wins
+from netgain.sync import ROUTE, ROUTE_FORMAT, ROUTE_TRIAL_SYNCS, SyncConfig, SyncOptimizer, offer, route_wins
 from netgain.train.cli import build_config
 from netgain.train.report import summarize
 
@@ -116,15 +117,44 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
 
 
+def waited(rank, world_size):
+    """A trial whose averages keep every third step waiting 50 ms (a slow link): each step's time, from the last
+    step's hook's end, leaves its own wait out, so none is negative (counted against the next step, one was)."""
+    real = SyncOptimizer.after_inner_step
+
+    def slow(sync):
+        real(sync)
+        if sync.inner_steps % 3 == 0:
+            time.sleep(0.05)
+            sync.wait_s += 0.05
+
+    SyncOptimizer.after_inner_step = slow
+    model, optimizer, route = _routed(0, float("inf"))
+    try:
+        _steps(model, optimizer, route, rank, 0, TRIAL)
+    finally:
+        route.close()
+    return {"times": route._times, "waits": route._waits}
+
+
+def test_a_trial_step_time_leaves_its_own_wait_for_an_average_out():
+    for status, value in run(waited, 2):
+        assert status == "ok", value
+        assert min(value["times"]) >= 0 and sum(w >= 0.05 for w in value["waits"]) >= 3, value
+
+
 def early(rank, world_size):
     """The per-step plan not settled, the route priced below its cheapest price (best_price): a trial at once. Where
     the route wins it (cheapest priced infinite), local steps; where it loses (priced near zero), per-step steps until
     the plan is settled (by hand, 3 steps after the trial), then its price against the trial's, no second trial. The
-    route priced no cheaper, or no cheapest price yet (the link not measured at volume): no trial."""
+    route priced no cheaper, cheaper within the tie (the trial would cut the per-step plan's own trials short for a
+    gamble), or no cheapest price yet (the link not measured at volume): no trial."""
     out = {}
-    for case, best, settled in (("local", float("inf"), None), ("lost, then local", 1e-9, float("inf")),
-                                ("lost, then per-step", 1e-9, 1e-9), ("no cheaper", 0.0, None), ("unmeasured", None, None)):
-        model, optimizer, route = _routed(0, None)
+    for case, best, settled, predicted in (
+            ("local", float("inf"), None, 0.0), ("lost, then local", 1e-9, float("inf"), 0.0),
+            ("lost, then per-step", 1e-9, 1e-9, 0.0), ("no cheaper", 0.0, None, 0.0),
+            ("within the tie", (1 + TIE / 2) * 0.1, None, 0.1), ("unmeasured", None, None, 0.0)):
+        model, optimizer, route = _routed(0, None, predicted)
         asked = []
 
         def settled_price(route=route, asked=asked, settled=settled):
@@ -142,7 +172,7 @@ def early(rank, world_size):
     return out
 
 
-def test_a_route_priced_below_every_per_step_plan_runs_its_trial_before_they_settle():
+def test_a_route_priced_to_win_against_every_per_step_plan_runs_its_trial_before_they_settle():
     lost = ["trial"] * TRIAL + ["per-step"] * 3  # the trial's last step left it; settled at the third step after
     for status, value in run(early, 2):
         assert status == "ok", value
@@ -151,7 +181,7 @@ def test_a_route_priced_below_every_per_step_plan_runs_its_trial_before_they_set
         assert value["lost, then per-step"]["phases"] == lost + ["per-step-chosen"] * 3, value
         for case in ("lost, then local", "lost, then per-step"):  # per-step again: the hook sends, replicas equal
             assert all(value[case]["sent"][TRIAL + 1:TRIAL + 4]) and all(value[case]["equal"][TRIAL:TRIAL + 4]), value
-        for case in ("no cheaper", "unmeasured"):
+        for case in ("no cheaper", "within the tie", "unmeasured"):
             assert value[case]["phases"] == ["per-step"] * (TRIAL + 6) and all(value[case]["sent"]), value
 
 

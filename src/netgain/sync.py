@@ -592,7 +592,7 @@ class LocalRoute:
     """auto's route of local steps beside its per-step plans: build it with `offer`.
 
     Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
-    it (`_predicted`), or before that where the model prices it below every per-step plan (`_choose`), every rank
+    it (`_predicted`), or before that where the model prices it to win against every per-step plan (`_choose`), every rank
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
@@ -659,7 +659,17 @@ class LocalRoute:
                               layout=fragment.layout))
 
     def _after_step(self) -> None:
-        now, last, self._last = time.perf_counter(), self._last, time.perf_counter()
+        now, last = time.perf_counter(), self._last
+        try:
+            self._account(now, last)
+        finally:
+            # the next step's time runs from here: this step's wait for an average (in after_inner_step) is its own.
+            # Taken before it, a wait counted against the next step: on the lab at 1 Gbit/s a trial read -0.21 s
+            # for one step and 0.37-0.40 for the next (a probe)
+            self._last = time.perf_counter()
+
+    def _account(self, now: float, last: float | None) -> None:
+        """The step just taken, from ``last`` (the previous step's hook's end) to ``now``."""
         # the step just taken: the hook ran unless it was local (DDP's reducer, or the FSDP hook's average, is off
         # exactly while sync is set)
         self._trying, self._local_step = self.phase == "trial", None
@@ -682,7 +692,7 @@ class LocalRoute:
         if self.phase != "trial":
             return
         if last is not None:  # (none in the first step after a resume)
-            self._times.append(now - last - self.sync.wait_s)
+            self._times.append(now - last)
             self._waits.append(self.sync.wait_s)
         if self.sync.inner_steps >= ROUTE_TRIAL_SYNCS * self.config.period + self.config.overlap_steps:
             # a step's price, from the trial's last period (the first runs the sync's first calls: on the lab at
@@ -705,8 +715,8 @@ class LocalRoute:
         """Per-step, on agreed prices: a trial of the route, local steps, or the per-step plan for good.
 
         Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
-        measured price. Before, a trial at once where the model prices the route below every per-step plan (the
-        cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
+        measured price. Before, a trial at once where the model prices the route to win against every per-step plan,
+        beyond a tie (`route_wins`; the cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
         largest bucket in 16 bits: AdaptivePlanner.best_price).
         On the lab's second job
         at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
@@ -729,7 +739,10 @@ class LocalRoute:
         if price is None:
             return
         predicted = self._predicted()
-        if settled is None and predicted >= price:
+        if settled is None and not route_wins(predicted, price):
+            # an early trial preempts the per-step plan's own trials: only where the model prices the route to win
+            # (on the lab at 1 Gbit/s ones priced 0.4-0.7% below cut low rank's trial after one step and lost, and auto
+            # tried its plans again from step 21: 40 steps of trials in all, 3 rounds of a probe)
             return
         if predicted > TRIAL_RANGE * price:
             # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
