@@ -191,7 +191,8 @@ class AdaptivePlanner:
         self._plan_steps = 0                              # auto: steps the plan running now has run
         self._beside_compiles: list[float] = []           # auto: its agreed step seconds that ran beside a compile
         self._provisional: set[tuple] = set()             # auto: plans priced by steps beside a compile only
-        self._short: set[tuple] = set()                   # auto: plans whose trial was priced out before it cleared
+        self._short: set[tuple] = set()                   # auto: plans whose trial ended before it cleared
+        self._guess = False                               # auto: the trial running was chosen on the first step's bound
         self.trying = False                               # auto: the plan running now is tried for its price
         self._best_price: float | None = None             # auto: the best candidate's price when the plan was chosen
         self._cheapest: list[float] | None = None         # auto: [the cheapest's price, a cold one's too; the link's volume then]
@@ -358,8 +359,10 @@ class AdaptivePlanner:
             self._watch_rate()
         # auto: a trial runs until it is priced; a re-plan meanwhile (a rate read off the trial's own messages, errors
         # due) chose afresh and could cut it short: on the lab at 1 Gbit/s low rank's trial was cut twice after 2 steps,
-        # unpriced, and ran again at step 49 (a probe)
-        trial = self.mode == "auto" and self.trying and not self._stale
+        # unpriced, and ran again at step 49 (a probe). But for a first plan chosen on the first step's bound (`_guess`):
+        # under HSDP at 50 Mbit/s, held to its end, such a trial of fp16 ran 8 steps at 0.66 s against low rank's 0.4
+        # (93d9cfb's grid)
+        trial = self.mode == "auto" and self.trying and not (self._stale or self._guess)
         replanned = bandwidth is not None and bool(self.errors) and (
             priced or self.climbing or not trial and (measured or moved or warmed or starved or reopened))
         if replanned:
@@ -459,7 +462,7 @@ class AdaptivePlanner:
                 "predicted": self._predicted, "planned_link": list(self._planned_link) if self._planned_link else None,
                 "steps": self._plan_steps, "running": list(self._running), "beside_compiles": list(self._beside_compiles),
                 "overrun_steps": self._plan_overrun_steps,
-                "best_price": self._best_price, "cheapest": self._cheapest}
+                "best_price": self._best_price, "cheapest": self._cheapest, "guess": self._guess}
 
     def load_state_dict(self, state: dict) -> None:
         self.monitor.agreed.clear()
@@ -501,6 +504,7 @@ class AdaptivePlanner:
         self._beside_compiles = list(saved["beside_compiles"])
         self._plan_overrun_steps = int(saved.get("overrun_steps", 0))
         self._best_price = saved.get("best_price")
+        self._guess = bool(saved.get("guess", False))
         self._cheapest = saved.get("cheapest")
 
     def settled_price(self) -> float | None:
@@ -578,6 +582,7 @@ class AdaptivePlanner:
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
+        uncleared = self.trying and 0 < len(self._running) < TRIAL_STEPS - TRIAL_SKIP  # a trial this re-plan may cut
         wanted, self.fits = self._choose(indices, times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
         choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
@@ -585,6 +590,8 @@ class AdaptivePlanner:
         self.climbing = any(not row[w] for row, w in zip(held, wanted))
         key = self._key(indices, choice)
         if key != self._plan_key:  # a new plan's step times price it from its first steps
+            if uncleared:
+                self._short.add(self._plan_key)  # priced on too few steps: it may run its trial again
             self._plan_key, self._plan_steps, self._witness = key, 0, None  # (another plan witnesses nothing: prices stand)
             self._running.clear()
             self._beside_compiles.clear()
@@ -614,12 +621,10 @@ class AdaptivePlanner:
         communication time the one that errs least. A candidate's step is its measured step time once it
         ran TRIAL_STEPS on this link (_price_plan), else predicted: the step's other time (compute_s) plus
         its communication. The cheapest candidate wins, unless one not yet measured is predicted within
-        TRIAL_RANGE of it: that one runs next, to be measured (`trying`), and runs until it is priced (`_end_step`).
-        One taking more steps to the target than the cheapest measured plan is tried only where predicted below
-        it: its trial costs progress as well as time, and its price rests on an estimate of its steps (on the lab at
-        1 Gbit/s, after fp32 factors measured a tie with fp16, 8-bit factors were tried at 0.145-0.213 s to the
-        target per fp32 step against fp16's 0.119-0.127, a probe). A plan whose trial was priced out before it cleared
-        (`_short`, priced on as little as one step) is not yet measured: it may run its trial again, to the end
+        TRIAL_RANGE of it: that one runs next, to be measured (`trying`), and runs until it is priced (`_end_step`),
+        unless it was chosen on the first step's bound on the link (`_guess`): the re-plan that has the link
+        measured may cut that one. A plan whose trial ended before it cleared (`_short`: priced out, or cut, on as
+        little as one step) is not yet measured: it may run its trial again, to the end
         (on the lab at 1 Gbit/s fp16 priced on its first clear step of 0.157 s lost to low rank, which then took 139
         steps to the fp16 hook's 118: time_to_accuracy_job1_eager_decode_1gbit_3w_0981243.json, round 1, inferred
         from the step's time). Prices within TIE of the cheapest are a
@@ -647,13 +652,12 @@ class AdaptivePlanner:
         self._cheapest = ([min([best[0], *(c[0] for c in gaining)]), self.monitor.volume]
                           if self._compute and self.monitor.agreed else None)
         self._awaiting = bool(self.warm)
-        surest = min((c for c in ready.values() if c[1]), key=lambda c: c[0], default=None)
-        untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0] and (
-            surest is None or self._steps(c[2]) <= self._steps(surest[2]) or c[0] < surest[0])]
+        untried = [c for c in ready.values() if not c[1] and c[0] <= TRIAL_RANGE * best[0]]
         # a lone candidate not yet measured is tried too: a trial priced out ends early, and the re-plan then scales
         # the model by the overrun (under HSDP on the lab at 100 Mbit/s, a lone first plan of fp32 and fp16 ran 8
         # steps at 0.49 s against the 0.31 s of the plan that followed)
         self.trying = bool(untried)
+        self._guess = self.trying and not self.monitor.agreed  # chosen on the first step's bound on the link
         if self.trying:
             return min(untried, key=lambda c: c[0])[2]
         tied = [c for c in ready.values() if c[0] <= (1 + TIE) * best[0]]
