@@ -1142,7 +1142,7 @@ def test_a_trial_runs_until_it_is_priced_whatever_the_rate_reads_meanwhile():
 
 
 @pytest.mark.parametrize("guess", [True, False])
-def test_a_trial_chosen_on_the_first_steps_bound_may_be_cut_and_then_runs_again_to_its_end(guess):
+def test_a_trial_chosen_on_the_first_steps_bound_may_be_cut_and_a_cut_trial_is_short(guess):
     """A first plan is chosen on the first step's bound on the link (`_guess`): the re-plan that has the link
     measured may cut its trial (under HSDP at 50 Mbit/s, held to its end, fp16's ran 8 steps at 0.66 s against low
     rank's 0.4), and the plan, priced on too few steps, is short: not yet measured, it may run its trial again.

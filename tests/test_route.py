@@ -144,7 +144,7 @@ def test_a_trial_step_time_leaves_its_own_wait_for_an_average_out():
 
 
 def early(rank, world_size):
-    """The per-step plan not settled, the route priced below its cheapest price (best_price): a trial at once. Where
+    """The per-step plan not settled, the route priced to win against its cheapest price (best_price): a trial at once. Where
     the route wins it (cheapest priced infinite), local steps; where it loses (priced near zero), per-step steps until
     the plan is settled (by hand, 3 steps after the trial), then its price against the trial's, no second trial. The
     route priced no cheaper, cheaper within the tie (the trial would cut the per-step plan's own trials short for a
