@@ -3,6 +3,7 @@ bit for bit for every codec, the counter-based noise is a pure function of its k
 independent of the bucket layout, and the segmented max matches a per-parameter loop."""
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -298,25 +299,35 @@ def test_background_compile_leaves_other_threads_not_compiling(monkeypatch):
     assert torch.compiler.is_compiling() is False
 
 
-def test_a_module_called_beside_a_background_compile_runs_as_itself(monkeypatch):
-    """inductor's first lowering in a process traces a dummy graph with torch.fx.symbolic_trace, which patches
+def test_a_background_compile_patches_no_module_call_of_other_threads(monkeypatch, tmp_path):
+    """inductor's first lowering in a process built a dummy graph with torch.fx.symbolic_trace, which patches
     torch.nn.Module.__call__ for every thread while it runs: a module called meanwhile on another thread raised
-    NameError. The dummy is built on the caller's thread before the compile thread starts."""
+    NameError, also where the compile began on a callback's thread. netgain builds that graph by hand instead."""
     from torch._inductor.loop_body import InterpreterShim
 
     compile_every_call(monkeypatch.setattr, monkeypatch.setenv)
     monkeypatch.setattr(kernel, "_compile_thread", None)
-    InterpreterShim._dummy_gm.cache_clear()
+    monkeypatch.setattr(InterpreterShim, "_dummy_gm", staticmethod(lambda: torch.fx.symbolic_trace(lambda x: x)))
+    kernel._untraced_shared_graphs.cache_clear()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # lowers, as on a cold cache
+    traces = []
+    trace = torch.fx.Tracer.trace
+    monkeypatch.setattr(torch.fx.Tracer, "trace", lambda self, root, concrete_args=None: (
+        traces.append(type(self).call_module is torch.fx.Tracer.call_module), trace(self, root, concrete_args))[1])
 
     @kernel.kernel
     def shifted(x, by: float):
         return (x + by).abs().max()
 
-    shifted(torch.randn(4099), 0.25)
-    assert InterpreterShim._dummy_gm.cache_info().currsize == 1
+    caller = threading.Thread(target=shifted, args=(torch.randn(4099), 0.25))  # as a collective's callback
+    caller.start()
+    caller.join()
     layer = torch.nn.Linear(3, 3)
     while kernel.compiling():
         layer(torch.ones(3))
+    kernel._untraced_shared_graphs.cache_clear()  # the next compile puts the hand-built graph back
+    assert traces and not any(traces)  # AOT's traces only, which call modules through
+    assert [node.op for node in InterpreterShim._dummy_gm().graph.nodes] == ["placeholder", "output"]
 
 
 def test_a_compiled_kernel_called_while_another_thread_fx_traces_runs_eagerly(monkeypatch):

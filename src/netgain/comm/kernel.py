@@ -143,6 +143,7 @@ class _Variant:
         self.failed = False
 
     def wrap(self) -> None:
+        _untraced_shared_graphs()
         self.compiled = torch.compile(_own_code(self.fn), dynamic=True, options=self.options)
 
     def build(self, args, kwargs, threads: int) -> None:
@@ -168,7 +169,6 @@ def _compile_in_background(variant: _Variant, args, kwargs) -> None:
     _compiles.put((variant, copies, kwargs, torch.get_num_threads()))
     with _compile_lock:
         if _compile_thread is None:  # a daemon: a run that ends never waits for a compile it no longer needs
-            _trace_shared_graphs()
             _compile_thread = threading.Thread(target=_compile_loop, name="netgain-compile", daemon=True)
             _compile_thread.start()
 
@@ -187,17 +187,24 @@ def _compile_loop() -> None:
         variant.build(args, kwargs, threads)
 
 
-def _trace_shared_graphs() -> None:
-    """Build here, on the caller's thread, the graph inductor traces once per process at its first lowering
-    (InterpreterShim's dummy, cached): torch.fx.symbolic_trace patches torch.nn.Module.__call__ for every thread
-    while it runs, so a module called on another thread meanwhile raised NameError ("module is not installed as
-    a submodule"): on a fresh machine's cold cache, 2 of 4 HSDP ranks failed so in their first forward."""
+@functools.cache
+def _untraced_shared_graphs() -> None:
+    """Inductor builds one graph per process at its first lowering by torch.fx.symbolic_trace (InterpreterShim's
+    dummy, an identity), and symbolic_trace patches torch.nn.Module.__call__ for every thread while it runs: a
+    module called on another thread meanwhile raised NameError ("module is not installed as a submodule"). 2 of 4
+    HSDP ranks failed so in their first forward on a cold cache; building it first on the caller's thread was not
+    enough, since the caller may be a collective's callback thread while the user's thread runs a forward. So the
+    same graph is built here by hand, which patches nothing, before any compile."""
     try:
         from torch._inductor.loop_body import InterpreterShim
-
-        InterpreterShim._dummy_gm()
-    except (ImportError, AttributeError):  # another torch: nothing of this name to build ahead
-        pass
+    except ImportError:  # another torch: nothing of this name to replace
+        return
+    if not hasattr(InterpreterShim, "_dummy_gm"):
+        return
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    identity = torch.fx.GraphModule(torch.nn.Module(), graph)
+    InterpreterShim._dummy_gm = staticmethod(lambda: identity)
 
 
 def _keep_sessions_to_this_thread() -> None:
