@@ -71,8 +71,11 @@ def chosen(rank, world_size):
     have already cost WARM_STALL_S (as a long trial's would)."""
     out = {}
     for case, price, predicted in (("local", float("inf"), 0.0), ("per-step", 1e-9, 0.0), ("no trial", 1.0, 10.0),
-                                   ("compiling", float("inf"), 0.0), ("paid", float("inf"), 0.0)):
+                                   ("compiling", float("inf"), 0.0), ("paid", float("inf"), 0.0),
+                                   ("repaid", 1.0, 0.8), ("within the tie", 1.0, 0.96)):
         model, optimizer, route = _routed(0, price, predicted)
+        if case in ("repaid", "within the tie"):
+            route._leave_s = lambda: (1.0 / (1 + TIE) - 0.8) * 3.5
         if case == "paid":
             route._rent = WARM_STALL_S
         if case == "compiling":
@@ -80,6 +83,9 @@ def chosen(rank, world_size):
             route._compiling = lambda: next(answers, False)
         try:
             steps = _steps(model, optimizer, route, rank, 0, 1 + TRIAL + 6)
+            if case == "local":
+                route.state.planner.monitor.predict_s = lambda collective, payload_bytes, world_size: payload_bytes
+                out["leave bytes"] = route._leave_s()
         finally:
             route.close()
         out[case] = {"phases": [phase for phase, *_ in steps], "sent": [sent for _, sent, *_ in steps],
@@ -96,7 +102,11 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
     prices beyond TRIAL_RANGE x the per-step plan runs no trial. The trial runs the route's codec eagerly and
     compiles nothing; once it wins, the codec stays eager until its eager averages have cost WARM_STALL_S (far more
     than this small model's take), and its kernels are warmed then; never where it loses or runs no trial. Where a
-    kernel still compiles when the route is chosen, the trial starts once none does (a step later here)."""
+    kernel still compiles when the route is chosen, the trial starts once none does (a step later here).
+
+    Short of TRIAL_RANGE below, the trial waits until the saving the model prices beyond the tie, over the steps run
+    so far, repays leaving (here after 4 steps); a route priced within the tie runs none. Leaving is priced on
+    AdamW's moments in bf16 and its step counts in fp32."""
     results = run(chosen, 2)
     assert all(status == "ok" for status, _ in results), results
     for _, value in results:
@@ -115,6 +125,11 @@ def test_the_route_runs_a_trial_and_keeps_local_steps_or_the_per_step_plan():
         assert not per_step["warmed"] and not untried["warmed"]
         waited = value["compiling"]["phases"]
         assert waited[0] == "per-step" and waited[1:1 + TRIAL] == ["trial"] * TRIAL, waited
+        repaid = value["repaid"]["phases"]
+        assert repaid[:3] == ["per-step"] * 3 and repaid[3:3 + TRIAL] == ["trial"] * TRIAL, repaid  # on the 4th step
+        assert value["within the tie"]["phases"] == ["per-step"] * (1 + TRIAL + 6)
+        params = 8 * 16 + 16 + 16 * 4 + 4
+        assert value["leave bytes"] == 2 * 2 * params + 4 * 4  # exp_avg, exp_avg_sq in bf16; 4 step counts in fp32
 
 
 def waited(rank, world_size):

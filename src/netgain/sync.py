@@ -591,8 +591,8 @@ def route_wins(route_price: float, price: float) -> bool:
 class LocalRoute:
     """auto's route of local steps beside its per-step plans: build it with `offer`.
 
-    Once auto's per-step plan is settled and measured, and where the model prices the route within TRIAL_RANGE of
-    it (`_predicted`), or before that where the model prices it to win against every per-step plan (`_choose`), every rank
+    Where the model prices the route (`_predicted`) below auto's per-step plan (its measured price once settled, before
+    that every plan's) by enough that a trial is worth its risk (`_choose`, `_worth_trying`), every rank
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
@@ -635,6 +635,7 @@ class LocalRoute:
         self._rent = 0.0        # the seconds its eager averages took so far (encode and decode, this rank's)
         self._early = False     # the trial began before the per-step plan was settled (`_choose`)
         self._measured = False  # and lost: its measured price waits for the settled plan's
+        self._leave_bytes: float | None = None  # what leaving sends (`_leave_s`), once the optimizer has state
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def _warm(self) -> None:
@@ -714,10 +715,10 @@ class LocalRoute:
     def _choose(self) -> None:
         """Per-step, on agreed prices: a trial of the route, local steps, or the per-step plan for good.
 
-        Once the per-step plan is settled, a trial where the model prices the route within TRIAL_RANGE of its
-        measured price. Before, a trial at once where the model prices the route to win against every per-step plan,
-        beyond a tie (`route_wins`; the cheapest, measured or the model's, with the link measured at the volume of the route's average or of the
-        largest bucket in 16 bits: AdaptivePlanner.best_price).
+        A trial where it is worth its risk (`_worth_trying`) against the per-step plan's measured price once settled;
+        before, against every per-step plan's (the cheapest, measured or the model's, with the link measured at the
+        volume of the route's average or of the largest bucket in 16 bits: AdaptivePlanner.best_price). Once settled,
+        a route the model prices beyond TRIAL_RANGE above the plan runs no trial.
         On the lab's second job
         at 1 Gbit/s the route won every trial it ran once auto had settled, at steps 12-23, whose per-step steps
         took 0.3-0.4 s against the route's 0.2 (time_to_accuracy_job2_1gbit_3w_397296c.md). Such a trial keeps the
@@ -739,19 +740,44 @@ class LocalRoute:
         if price is None:
             return
         predicted = self._predicted()
-        if settled is None and not route_wins(predicted, price):
-            # an early trial preempts the per-step plan's own trials: only where the model prices the route to win
-            # (on the lab at 1 Gbit/s ones priced 0.4-0.7% below cut low rank's trial after one step and lost, and auto
-            # tried its plans again from step 21: 40 steps of trials in all, 3 rounds of a probe)
-            return
-        if predicted > TRIAL_RANGE * price:
+        if settled is not None and predicted > TRIAL_RANGE * price:
             # the model prices it far dearer: no trial (at 10 Mbit/s one would cost 17 local steps of 0.23 s)
             self.price, self.route_price, self.phase = price, predicted, "per-step-chosen"
+            return
+        if not self._worth_trying(predicted, price):
             return
         if self._compiling():  # the trial once no rank compiles: it prices no step beside a compile
             return
         self.price, self.route_price, self._early = price, predicted, settled is None
         self._enter("trial")
+
+    def _worth_trying(self, predicted: float, price: float) -> bool:
+        """Whether a trial pays for its risk now. Sure, where the model prices the route TRIAL_RANGE below ``price`` (it
+        would have to be off by the range it is trusted to within for the trial to lose). Else the trial is a gamble: a
+        lost one costs its leaving (`_leave_s`, about 2 s at 50 Mbit/s on the lab's lm job) and cuts the per-step
+        plan's own trials short. So it waits until the saving the model prices beyond the tie, over the steps run so
+        far, repays that leaving (ski rental: the run taken to last as long again). On the lab's lm job such trials
+        lost at both 1 Gbit/s (the model priced the route 0.4-0.7% below) and 50 Mbit/s (0.172 and 0.169 measured
+        against 0.134 and 0.142, 93d9cfb), and `auto` offered the route took 1.09x and 1.12x `auto` alone's time."""
+        if TRIAL_RANGE * predicted < price:
+            return True
+        saving = price / (1 + TIE) - predicted
+        return saving > 0 and saving * self.state.step >= self._leave_s()
+
+    def _leave_s(self) -> float:
+        """The model's seconds to leave a lost trial: the inner optimizer's state averaged (`_leave`) on the monitor's
+        fit of the link. Agreed: FSDP2's shards differ in size by rank, so the largest's."""
+        if self._leave_bytes is None:
+            moments = self._moments()
+            count = torch.tensor([float(sum(2 * v.numel() if v.numel() > 1 else 4 for v in moments))], dtype=torch.float64)
+            dist.all_reduce(count, dist.ReduceOp.MAX, group=self.state.process_group)
+            self._leave_bytes = count.item()
+        return self.state.planner.monitor.predict_s("allreduce", self._leave_bytes, self._world_size)
+
+    def _moments(self) -> list[torch.Tensor]:
+        """The inner optimizer's floating state (AdamW's moments and step counts), this rank's shards under FSDP2."""
+        return [v.to_local() if isinstance(v, DTensor) else v for entry in self.optimizer.state.values()
+                for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
     def _compiling(self) -> bool:
         """Whether a kernel compiles on any rank (a per-step candidate's): agreed, so every rank enters the trial
@@ -802,8 +828,7 @@ class LocalRoute:
         self.sync, self.phase = None, "per-step-chosen"
         self._local(False)
         self.state.planner.pause()
-        state = [v.to_local() if isinstance(v, DTensor) else v for entry in self.optimizer.state.values()
-                 for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        state = self._moments()
         # the moments in bf16 (fp32's range, relative error 2^-9; in fp32 leaving took 3.7 s on the lab's lm job at
         # 50 Mbit/s, in fp64 0.57-0.65 s at 1 Gbit/s, its neighbours 0.15), the scalars (step counts) exact in fp32
         _mean([v for v in state if v.numel() > 1], torch.bfloat16, self.state.process_group)
