@@ -136,8 +136,8 @@ class Segments:
         numel, count = int(ends[-1]), len(sizes)
         seg = torch.repeat_interleave(torch.arange(count, device=device, dtype=torch.int32), sizes_t)
         rows = numel // ROW
-        head = seg[: rows * ROW].view(rows, ROW).long()
-        a, b = head[:, 0], head[:, -1]
+        head = seg[: rows * ROW].view(rows, ROW)
+        a, b = head[:, 0].long(), head[:, -1].long()  # a row's ends only: the whole head in int64 was 8 bytes an element
         two = b - a <= 1
         if 2 * int(two.sum()) < rows:  # mostly fix rows: no rows at all (a sync, once per layout)
             rows, a, b, two = 0, a[:0], b[:0], two[:0]
