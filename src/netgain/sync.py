@@ -768,16 +768,19 @@ class LocalRoute:
         """The model's seconds to leave a lost trial: the inner optimizer's state averaged (`_leave`) on the monitor's
         fit of the link. Agreed: FSDP2's shards differ in size by rank, so the largest's."""
         if self._leave_bytes is None:
-            moments = self._moments()
-            count = torch.tensor([float(sum(2 * v.numel() if v.numel() > 1 else 4 for v in moments))], dtype=torch.float64)
+            count = torch.tensor([float(sum(v.numel() * dtype.itemsize for tensors, dtype in self._leave_parts()
+                                            for v in tensors))], dtype=torch.float64)
             dist.all_reduce(count, dist.ReduceOp.MAX, group=self.state.process_group)
             self._leave_bytes = count.item()
         return self.state.planner.monitor.predict_s("allreduce", self._leave_bytes, self._world_size)
 
-    def _moments(self) -> list[torch.Tensor]:
-        """The inner optimizer's floating state (AdamW's moments and step counts), this rank's shards under FSDP2."""
-        return [v.to_local() if isinstance(v, DTensor) else v for entry in self.optimizer.state.values()
-                for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    def _leave_parts(self) -> list[tuple[list[torch.Tensor], torch.dtype]]:
+        """What leaving averages, and in which dtype: the inner optimizer's floating state, this rank's shards under
+        FSDP2; the moments in bf16 (fp32's range, relative error 2^-9; in fp32 leaving took 3.7 s on the lab's lm job
+        at 50 Mbit/s, in fp64 0.57-0.65 s at 1 Gbit/s, its neighbours 0.15), the scalars (step counts) exact in fp32."""
+        state = [v.to_local() if isinstance(v, DTensor) else v for entry in self.optimizer.state.values()
+                 for v in entry.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        return [([v for v in state if v.numel() > 1], torch.bfloat16), ([v for v in state if v.numel() == 1], torch.float32)]
 
     def _compiling(self) -> bool:
         """Whether a kernel compiles on any rank (a per-step candidate's): agreed, so every rank enters the trial
@@ -828,11 +831,8 @@ class LocalRoute:
         self.sync, self.phase = None, "per-step-chosen"
         self._local(False)
         self.state.planner.pause()
-        state = self._moments()
-        # the moments in bf16 (fp32's range, relative error 2^-9; in fp32 leaving took 3.7 s on the lab's lm job at
-        # 50 Mbit/s, in fp64 0.57-0.65 s at 1 Gbit/s, its neighbours 0.15), the scalars (step counts) exact in fp32
-        _mean([v for v in state if v.numel() > 1], torch.bfloat16, self.state.process_group)
-        _mean([v for v in state if v.numel() == 1], torch.float32, self.state.process_group)
+        for tensors, dtype in self._leave_parts():
+            _mean(tensors, dtype, self.state.process_group)
 
     @property
     def last_step(self) -> dict:

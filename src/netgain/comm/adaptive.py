@@ -582,7 +582,7 @@ class AdaptivePlanner:
         errors = [self.errors[i] for i in indices]
         own_rule = [isinstance(option, (NoCompression, LowRank)) for option in self.options]
         safe = [[own or r <= self.max_error for own, r in zip(own_rule, self.relative[i])] for i in indices]
-        uncleared = self.trying and 0 < len(self._running) < TRIAL_STEPS - TRIAL_SKIP  # a trial this re-plan may cut
+        uncleared = self.trying and bool(self._running) and not self._cleared()  # a trial this re-plan may cut
         wanted, self.fits = self._choose(indices, times, errors, safe)  # fits: some safe plan fits, reachable now or not
         held = self._reachable(indices, [[nbytes for _, nbytes in row] for row in costs], safe)
         choice = wanted if held == safe else self._choose(indices, times, errors, held)[0]
@@ -752,7 +752,7 @@ class AdaptivePlanner:
                 self._reprice(*self._witness)
         self._periods[self._plan_key] = statistics.median(self._running or self._beside_compiles)
         (self._provisional.discard if self._running else self._provisional.add)(self._plan_key)
-        clear = len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
+        clear = self._cleared()
         # priced out: its clear steps already cost over TRIAL_RANGE x the best candidate's price, so it would not be
         # tried, let alone kept (on the lab at 50 Mbit/s under HSDP, a first plan made before the link was measured
         # tried fp32 for 8 steps at 1.55 s against the 0.7 s of gqsgd 8-bit's). Priced on so few steps, it is short
@@ -764,6 +764,10 @@ class AdaptivePlanner:
         elif clear:
             self._short.discard(self._plan_key)
         return self.trying and (clear or outpriced or self._plan_steps >= 2 * TRIAL_STEPS)
+
+    def _cleared(self) -> bool:
+        """auto: the plan running now has the clear steps (none beside a compile) that price a trial."""
+        return len(self._running) >= TRIAL_STEPS - TRIAL_SKIP
 
     def _reopen(self, compiling: bool) -> bool:
         """auto: once no kernel compiles on any rank, the plans priced by steps beside a compile only (a trial that
