@@ -310,10 +310,14 @@ def test_a_background_compile_patches_no_module_call_of_other_threads(monkeypatc
     monkeypatch.setattr(InterpreterShim, "_dummy_gm", staticmethod(lambda: torch.fx.symbolic_trace(lambda x: x)))
     kernel._untraced_shared_graphs.cache_clear()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # lowers, as on a cold cache
-    traces = []
+    traces = []  # per trace: whether its tracer patches module calls as the base Tracer does (NameError elsewhere)
     trace = torch.fx.Tracer.trace
-    monkeypatch.setattr(torch.fx.Tracer, "trace", lambda self, root, concrete_args=None: (
-        traces.append(type(self).call_module is torch.fx.Tracer.call_module), trace(self, root, concrete_args))[1])
+
+    def recorded(tracer, root, concrete_args=None):
+        traces.append(type(tracer).call_module is torch.fx.Tracer.call_module)
+        return trace(tracer, root, concrete_args)
+
+    monkeypatch.setattr(torch.fx.Tracer, "trace", recorded)
 
     @kernel.kernel
     def shifted(x, by: float):
