@@ -41,6 +41,7 @@ CONTESTANTS = {
     "ddp-powersgd-r4": ("torch", "ddp-powersgd", {"rank": 4}),
     "none": ("netgain", "none", {}),
     "fp16": ("netgain", "fp16", {}),
+    "bf16": ("netgain", "bf16", {}),
     "gqsgd-8": ("netgain", "gqsgd", {"bits": 8}),
     "gqsgd-8-int8": ("netgain", "gqsgd", {"bits": 8, "encoding": "int8"}),
     "gqsgd-4": ("netgain", "gqsgd", {"bits": 4}),
@@ -48,6 +49,7 @@ CONTESTANTS = {
     "lowrank-r4-fp32": ("netgain", "lowrank", {"rank": 4, "factors": "fp32"}),
     "lowrank-r4-gqsgd8": ("netgain", "lowrank", {"rank": 4, "factors": "gqsgd", "bits": 8}),
     "kimad+": ("netgain", "kimad+", {}),
+    "auto": ("netgain", "auto", {}),
 }
 LINKS = {"100mbit": "lab-100mbit", "1gbit": "lab-1gbit"}  # netgain.cost.network presets of the lab's rates
 PEERS = (("ddp", "x_ddp"), ("ddp-fp16", "x_fp16_hook"), ("ddp-powersgd-r4", "x_powersgd"))  # ratio columns

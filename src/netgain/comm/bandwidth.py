@@ -105,7 +105,7 @@ class BandwidthMonitor:
         self._step: list[tuple[float, float]] = []         # (wire bytes, service s) this step
         self._window: list[list[tuple[float, float]]] = []  # (wire bytes, service s) of recent steps
         self._extra: list[float] = []
-        self._local_fit: tuple[float, float] | None = None  # (alpha, 1 / beta) of the samples fitted
+        self._local_fit: tuple[float, float, bool] | None = None  # (alpha, 1 / beta, bound) of the samples fitted
         self._held: tuple[int, list] | None = None          # (direction, samples) of a step off the fit
         self._busy_until = 0.0
 
@@ -136,16 +136,17 @@ class BandwidthMonitor:
         agreed = link.allreduce(torch.tensor(rows, dtype=torch.float64), torch.distributed.ReduceOp.MAX).tolist()
         return [(wire, -service) for wire, service in agreed]
 
-    def add_step(self, step: list[tuple[float, float]]) -> tuple[float, float, float, float]:
-        """(bandwidth, latency, overhead_s, volume) after one step's samples: volume is the wire bytes of the
-        fitted window's largest collective; bandwidth is 0 before any sample."""
+    def add_step(self, step: list[tuple[float, float]]) -> tuple[float, float, float, float, bool]:
+        """(bandwidth, latency, overhead_s, volume, bound) after one step's samples: volume is the wire bytes of the
+        fitted window's largest collective; bandwidth is 0 before any sample; bound: the window's sizes measure no
+        slope, and the bandwidth is the fastest rate a sample achieved (`fit`)."""
         if step and self._skip:
             if self.rise_volume is not None:  # auto's: the skipped step still bounds the rate from below
                 self._bound(step)
             self._skip, step = self._skip - 1, []
         if step:
             # against an unmeasured rate (slope 0) larger messages taking longer is its first measurement, not a change
-            moved = 0 if self._local_fit is None or not self._local_fit[1] else self._moved(step, *self._local_fit)
+            moved = 0 if self._local_fit is None or not self._local_fit[1] else self._moved(step, *self._local_fit[:2])
             if moved and self._held is not None and self._held[0] == moved:
                 self._window, self._held = [self._held[1]], None  # two steps agree: the link changed
             elif moved:
@@ -160,11 +161,11 @@ class BandwidthMonitor:
             if self.rise_volume is not None:  # only auto's monitor plans with it
                 self.floor = max((x / s for samples in self._window for x, s in samples if s > 0), default=None)
         if self._local_fit is None:
-            return 0.0, 0.0, 0.0, 0.0
-        alpha, slope = self._local_fit
+            return 0.0, 0.0, 0.0, 0.0, False
+        alpha, slope, bound = self._local_fit
         extra = sorted(self._extra) or [0.0]
         volume = max(x for samples in self._window for x, _ in samples)
-        return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))]), volume
+        return rate(slope), alpha, max(0.0, extra[int(OVERHEAD_QUANTILE * (len(extra) - 1))]), volume, bound
 
     def _bound(self, step: list[tuple[float, float]]) -> None:
         """A skipped step's collectives as a lower bound on the link: a start-up stall only slows a collective, so
@@ -175,11 +176,17 @@ class BandwidthMonitor:
         if measured:
             self.sustained, self.volume = max(x / s for x, s in measured), max(x for x, _ in measured)
 
-    def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf) -> float | None:
+    def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf,
+               bound: bool = False) -> float | None:
         """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
-        `volume` wire bytes; returns the bandwidth to plan with."""
+        `volume` wire bytes; returns the bandwidth to plan with. A ``bound`` (the fastest rate a sample achieved:
+        the link carries at least that) below the rate measured at volume (rise_volume) is no reading of the link:
+        on the lab at 1 Gbit/s, two steps of low rank's 150-173 kB messages, their times CPU jitter (3-12 ms),
+        restarted the window (`change`) and bounded the rate at 48 MB/s against the 148 MB/s fp16 measured, and
+        auto planned with that for the next 80 steps."""
         if bandwidth > 0:
-            self.agreed.append(bandwidth)
+            if not (bound and self.sustained is not None and bandwidth < self.sustained):
+                self.agreed.append(bandwidth)
             self.latency, self.overhead_s = latency, overhead_s
             # at volume, and measured: a fit left unmeasured by small messages' noise (low rank's, in the window
             # beside one large step) read infinite on the lab at 1 Gbit/s, and lifted the ceiling with it
@@ -218,8 +225,8 @@ def link_time(step: list[tuple[float, float]]) -> float:
     return sum(service for _, service in step)
 
 
-def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, float]:
-    """(alpha, 1 / beta) of time = alpha + bytes / beta, robustly, from (bytes, seconds, ...) samples.
+def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, float, bool]:
+    """(alpha, 1 / beta, bound) of time = alpha + bytes / beta, robustly, from (bytes, seconds, ...) samples.
 
     The slope is the median of pairwise slopes weighted by the pair's size difference, over pairs
     whose sizes differ by `spread` x. It counts only where the bytes cost measurable time: when more
@@ -227,8 +234,9 @@ def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, f
     dwarfs the bytes, as small messages on a fast link), 1 / beta is 0, the link's rate unmeasured
     above the volumes sent. On loopback, low rank's 1-4 KB messages otherwise read a slope out of rank
     skew: 56 Mbit/s, and the plan stayed on the small messages that measured it (on the word of at least
-    UNMEASURED_PAIRS pairs). Where only one size was sampled, or fewer pairs say unmeasured, 1 / beta falls back to the fastest rate any sample achieved, a lower bound on the
-    link's bandwidth, and alpha to the median time less that rate's share.
+    UNMEASURED_PAIRS pairs). Where only one size was sampled, or fewer pairs say unmeasured, 1 / beta falls back to the
+    fastest rate any sample achieved, a lower bound on the link's bandwidth (``bound``: True), and alpha to the median
+    time less that rate's share.
     """
     x = torch.tensor([s[0] for s in samples], dtype=torch.float64)
     t = torch.tensor([s[1] for s in samples], dtype=torch.float64)
@@ -237,13 +245,14 @@ def fit(samples: list[tuple[float, ...]], spread: float = 1.5) -> tuple[float, f
     apart = torch.maximum(x[i], x[j]) >= spread * torch.minimum(x[i], x[j]).clamp(min=1.0)
     slopes, weights = dt[apart] / dx[apart], dx[apart].abs()
     measured = float(weights[slopes <= 0].sum()) <= UNMEASURED_SHARE * float(weights.sum())
-    if bool(apart.any()) and (measured or len(slopes) >= UNMEASURED_PAIRS):
+    bound = not (bool(apart.any()) and (measured or len(slopes) >= UNMEASURED_PAIRS))
+    if not bound:
         slope = _weighted_median(slopes, weights) if measured else 0.0
     else:
         rates = x / t.clamp(min=1e-9)
         slope = 1.0 / float(rates.max()) if float(rates.max()) > 0 else 1e-12
     alpha = float((t - slope * x).median().clamp(min=0.0))
-    return alpha, slope
+    return alpha, slope, bound
 
 
 def rate(slope: float) -> float:

@@ -112,7 +112,7 @@ def fit_link(steps: list[list[dict]], world_size: int) -> net.Link | None:
                for buckets in steps for b in buckets if b["wire_bytes"]]
     if not samples:
         return None
-    overhead, seconds_per_byte = bandwidth.fit(samples[-LINK_FIT_SAMPLES:])
+    overhead, seconds_per_byte, _ = bandwidth.fit(samples[-LINK_FIT_SAMPLES:])
     return net.Link("this run", bandwidth.rate(seconds_per_byte), 0.0, "fitted to the run's collectives", overhead=overhead,
                     algorithm="ring")
 
