@@ -32,7 +32,7 @@ A rise is followed once it outlasts the window: the bandwidth to plan with is th
 last window_steps agreed estimates, and a fall counts at once. With `rise_volume` (auto's), a rise
 also needs volume: it counts only where the window's largest collective was at least that share of the
 largest one measured: the rate last measured at such volume is a ceiling on the one planned with (a
-fall read from small messages counts while it lasts), and before any rate is measured its estimate is the
+fall read from small messages counts while it lasts, unless it is only a bound: `update`), and before any rate is measured its estimate is the
 fastest rate a collective in the window achieved (`floor`), a lower bound: an unmeasured first rate read
 infinite under HSDP on the lab at 50 Mbit/s, and auto's first plan sent fp32 for 8 steps at 1.55 s against
 gqsgd 8-bit's 0.7 s. A token bucket passes each step's small messages from its burst while
@@ -181,7 +181,7 @@ class BandwidthMonitor:
         """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
         `volume` wire bytes; returns the bandwidth to plan with. A ``bound`` (the fastest rate a sample achieved:
         the link carries at least that) below the rate measured at volume (rise_volume) is no reading of the link:
-        on the lab at 1 Gbit/s, two steps of low rank's 150-173 kB messages, their times CPU jitter (3-12 ms),
+        on the lab at 1 Gbit/s, two steps of low rank's 150-173 kB messages, their times CPU jitter (3-10 ms),
         restarted the window (`change`) and bounded the rate at 48 MB/s against the 148 MB/s fp16 measured, and
         auto planned with 48 MB/s for 39 steps and 93 MB/s for 40 more (an instrumented run)."""
         if bandwidth > 0:
