@@ -186,6 +186,16 @@ def test_a_bound_read_from_small_messages_is_no_fall_below_the_rate_measured_at_
     assert fit([(150_186, 0.0031), (173_056, 0.0103)])[2] and not fit([(224, 0.0002), (4_592_128, 0.031)])[2]
 
 
+def test_a_bound_read_at_volume_is_a_reading_like_any_other():
+    """A plain step sends one payload size, so its window fits to a bound: at volume a fall read so is followed at
+    once, and a rise after it waits, as for a measured slope."""
+    monitor = BandwidthMonitor(rise_volume=RISE_VOLUME, rise_steps=2)
+    assert monitor.update(148e6, 0.0, 0.0, 4.6e6, bound=True) == 148e6
+    assert monitor.update(14.8e6, 0.0, 0.0, 4.6e6, bound=True) == 14.8e6  # a fall at volume: followed at once
+    assert monitor.update(148e6, 0.0, 0.0, 4.6e6, bound=True) == 14.8e6   # a rise waits out rise_steps
+    assert monitor.update(10e6, 0.0, 0.0, 0.2e6, bound=True) == 14.8e6    # below volume: a bound is no fall
+
+
 def test_monitor_charges_a_queued_collective_only_its_own_time():
     clock = iter([1.0, 1.2]).__next__  # the second payload waited 0.2 s behind the first, then took 0.2 s
     monitor = BandwidthMonitor(clock=clock)

@@ -179,18 +179,20 @@ class BandwidthMonitor:
     def update(self, bandwidth: float, latency: float, overhead_s: float = 0.0, volume: float = math.inf,
                bound: bool = False) -> float | None:
         """Take the agreed estimate of one step (identical on every rank), measured on collectives of up to
-        `volume` wire bytes; returns the bandwidth to plan with. A ``bound`` (the fastest rate a sample achieved:
-        the link carries at least that) below the rate measured at volume (rise_volume) is no reading of the link:
-        on the lab at 1 Gbit/s, two steps of low rank's 150-173 kB messages, their times CPU jitter (3-10 ms),
-        restarted the window (`change`) and bounded the rate at 48 MB/s against the 148 MB/s fp16 measured, and
-        auto planned with 48 MB/s for 39 steps and 93 MB/s for 40 more (an instrumented run)."""
+        `volume` wire bytes; returns the bandwidth to plan with. With rise_volume, a ``bound`` (the fastest rate a
+        sample achieved: the link carries at least that) read below volume and below the rate measured there is no
+        reading of the link: on the lab at 1 Gbit/s, two steps of low rank's 150-173 kB messages, their times CPU
+        jitter (3-10 ms), restarted the window (`change`) and bounded the rate at 48 MB/s against the 148 MB/s fp16
+        measured, and auto planned with 48 MB/s for 39 steps and 93 MB/s for 40 more (an instrumented run). At
+        volume a bound counts as any reading (a plain step's one payload size fits to a bound)."""
+        at_volume = self.rise_volume is not None and volume >= self.rise_volume * self.volume
         if bandwidth > 0:
-            if not (bound and self.sustained is not None and bandwidth < self.sustained):
+            if not (bound and not at_volume and self.sustained is not None and bandwidth < self.sustained):
                 self.agreed.append(bandwidth)
             self.latency, self.overhead_s = latency, overhead_s
             # at volume, and measured: a fit left unmeasured by small messages' noise (low rank's, in the window
             # beside one large step) read infinite on the lab at 1 Gbit/s, and lifted the ceiling with it
-            if self.rise_volume is not None and volume >= self.rise_volume * self.volume and bandwidth < math.inf:
+            if at_volume and bandwidth < math.inf:
                 self.sustained, self.volume = bandwidth, max(self.volume, volume)
         return self.bandwidth
 
