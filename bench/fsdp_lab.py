@@ -181,10 +181,11 @@ def worker(args) -> None:
                 if target is not None and curve[-1][2] <= target and step + 1 >= args.budget:
                     break
             if len(step_times) == tta.FIRST_STEPS + 1:
-                steady, alone = tta.steady_step(step_times, local, plans)
-                steady = torch.tensor(steady)
-                dist.all_reduce(steady, dist.ReduceOp.MAX)
-                steady = steady.item()
+                # both agreed: under auto-sync each shard position takes the route or not for itself, so ranks read
+                # `alone` apart, set different bars, and one left the race while the others waited for it (a hang)
+                agreed = torch.tensor([*tta.steady_step(step_times, local, plans)], dtype=torch.float64)
+                dist.all_reduce(agreed, dist.ReduceOp.MAX)
+                steady, alone = agreed[0].item(), bool(agreed[1].item())
                 left = may_leave and steady > args.leave_above * best_steady[0]
                 if not alone:
                     best_steady[0] = min(best_steady[0], steady)

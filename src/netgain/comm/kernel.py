@@ -67,9 +67,10 @@ def compile_ahead():
 
 @contextlib.contextmanager
 def cold(on: bool = True):
-    """Kernels called inside (with ``on``) run eagerly and gain no heat: a codec that runs only a step or two (a
-    planner's unplanned codec, under FSDP called once per group, hot at its third call) would only begin a compile
-    that takes the cores its steps need, and a planner takes no link samples beside a compile."""
+    """Kernels called inside (with ``on``) begin no compile and gain no heat: they run eagerly, or compiled where an
+    earlier caller's compile is done. A codec that runs only a step or two (a planner's unplanned codec, under FSDP
+    called once per group, hot at its third call) would only begin a compile that takes the cores its steps need,
+    and a planner takes no link samples beside a compile."""
     before = getattr(_local, "cold", False)
     _local.cold = before or on
     try:
@@ -257,11 +258,13 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         mode = compile_mode(args[0].device)
-        ahead = getattr(_local, "ahead", False)  # compiles at once, also inside `cold` (a plan warmed meanwhile)
-        if mode == "eager" or (is_cold() and not ahead):
+        if mode == "eager":
             return fn(*args, **kwargs)
+        ahead = getattr(_local, "ahead", False)  # compiles at once, also inside `cold` (a plan warmed meanwhile)
         key = (variant(*args, **kwargs) if variant else None, _argument_class(args))
         graph = compiled.get(key)
+        if is_cold() and not ahead:  # begins no compile and gains no heat, but a graph compiled already serves
+            return _call(graph, fn, args, kwargs)
         if graph is None or isinstance(graph, _Eager):
             if mode == "background" and not args[0].is_cuda and not ahead:
                 start = time.perf_counter()  # compile only what pays: time the eager calls
@@ -279,16 +282,23 @@ def kernel(fn=None, *, options=COMPILE_OPTIONS, variant=None):
                 _compile_in_background(graph, args, kwargs)
         elif mode == "now":
             graph.ready.wait()  # begun in the background: this caller wants the compiled path
-        if graph.ready.is_set() and not graph.failed and not _fx_tracing():
-            try:
-                return graph.compiled(*args, **kwargs)
-            except RuntimeError:
-                if not _fx_tracing():
-                    raise
-        return fn(*args, **kwargs)
+        return _call(graph, fn, args, kwargs)
 
     run.eager = fn
     return run
+
+
+def _call(graph, fn, args, kwargs):
+    """``graph``'s compiled path where it is ready (the same bits as ``fn``'s), else ``fn`` eagerly: a graph compiled
+    for one caller serves every other, also one inside `cold` (eager, the route's 4-bit average of 1.78 M parameters
+    took 0.07-0.35 s in a process against 0.003 compiled, one thread)."""
+    if graph is not None and graph.ready.is_set() and not graph.failed and not _fx_tracing():
+        try:
+            return graph.compiled(*args, **kwargs)
+        except RuntimeError:
+            if not _fx_tracing():
+                raise
+    return fn(*args, **kwargs)
 
 
 def _fx_tracing() -> bool:
