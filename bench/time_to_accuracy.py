@@ -475,13 +475,17 @@ def measure_compute(args, workers: int) -> tuple[float, float]:
 
 
 def lab_link(rate: str):
-    """The cost model's link for a lab rate: its preset, else the nearer preset's fit scaled to the rate's bandwidth."""
+    """The cost model's link for a lab rate: its preset, else the nearer preset's fit scaled to the rate's bandwidth;
+    an unshaped veth ("unlimited") as the 1gbit fit, a floor of its rate (no fit of it)."""
     from lab import parse_rate
     from netgain.cost import network as net
 
     if rate in LINKS:
         return net.preset(LINKS[rate])
     bps = parse_rate(rate)
+    if bps is None:
+        return dataclasses.replace(net.preset(LINKS["1gbit"]), name=f"lab-{rate}",
+                                   note="an unshaped veth, modelled as the lab's 1gbit fit (no fit of its own)")
     base = "1gbit" if bps >= 1e9 else "100mbit"
     link = net.preset(LINKS[base])
     return dataclasses.replace(link, name=f"lab-{rate}", bandwidth=link.bandwidth * bps / parse_rate(base),
