@@ -22,10 +22,11 @@ As in bench/hook_lab.py, the workers start once per (rate, world size) cell and 
 contestant in turn, round after round (A B C ... A B C ...), each from a fresh DDP wrap; before
 round 0 each contestant runs `--warmup` throwaway steps, so that compiling is in nobody's time; and each
 contestant starts once the compiles an earlier one left in flight are done (untimed): they would slow its steps.
-`netgain model`'s pick for each cell (netgain.cost.advise on this model's parameters, the compute
+`netgain model`'s fixed codec for each cell (netgain.cost.advise on this model's parameters, the compute
 step timed here with every worker computing at once, as the lab's workers share the cores, codecs
 charged the same slowdown, and the cell's lab link) is made before the run and always runs as a contestant;
-with `--steps-from` earlier results' steps to target enter it (time to target = step time x steps).
+with `--steps-from` earlier results' steps to target enter it (time to target = step time x steps). Its
+recommendation is auto, whose forecast plan the verdicts set beside auto's measured time.
 The CSV's `codec` and `steps_ratio` columns are what `netgain model --steps-from` reads (steps_ratio
 is empty unless the contestant reached the target in every round).
 
@@ -606,7 +607,8 @@ def summarise(rows: list[dict], picks: dict) -> list[dict]:
 
 
 def verdicts(summary: list[dict], picks: dict) -> list[str]:
-    """Per cell: the fastest to target, whether netgain model's pick is within 10% of it, and unresolved orders."""
+    """Per cell: the fastest to target; netgain model's fixed codec and its recommendation (auto, which would run its
+    forecast plan) against it, by the contestants that run them; and unresolved orders."""
     lines = []
     for (rate, workers), chosen in picks.items():
         cell = sorted((s for s in summary if (s["rate"], s["workers"]) == (rate, workers)), key=lambda s: s["tta_s"])
@@ -625,15 +627,14 @@ def verdicts(summary: list[dict], picks: dict) -> list[str]:
                 verdict = f"{mine['tta_s']:.1f} s, within 10% of the fastest"
             else:
                 verdict = f"{mine['tta_s']:.1f} s, {mine['tta_s'] / best['tta_s']:.2f}x the fastest's time"
-            lines.append(f"{fastest}; netgain model picked {chosen['codec']} ({chosen['label'] or 'no contestant'}; "
+            lines.append(f"{fastest}; netgain model's fixed codec {chosen['codec']} ({chosen['label'] or 'no contestant'}; "
                          f"predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32): "
                          f"{verdict}.")
         if "auto_forecast" in chosen:
-            forecast = next((s for s in cell if s["contestant"] == chosen["auto_label"]), None)
-            measured = ("no contestant runs it" if forecast is None or not math.isfinite(forecast["tta_s"]) else
-                        f"{forecast['contestant']} took {forecast['tta_s'] / best['tta_s']:.2f}x the fastest's time")
-            lines.append(f"{rate}, {workers} workers: netgain model's forecast of auto: {chosen['auto_forecast']} "
-                         f"Measured: {measured}.")
+            measured = [f"{s['contestant']} took {s['tta_s'] / best['tta_s']:.2f}x the fastest's time" for s in cell
+                        if s["contestant"] in ("auto", chosen["auto_label"]) and math.isfinite(s["tta_s"])]
+            lines.append(f"{rate}, {workers} workers: netgain model's recommendation: {chosen['auto_forecast']} "
+                         f"Measured: {', '.join(measured) or 'no contestant runs it'}.")
         for a, b in zip(cell, cell[1:]):
             if math.isfinite(b["tta_s"]) and b["tta_min"] <= a["tta_max"]:
                 lines.append(f"{rate}, {workers} workers: {a['contestant']} ({a['tta_s']:.1f} s) before "
@@ -745,7 +746,7 @@ def report(rows, summary, picks, meta, out: Path) -> None:
         targets = dict.fromkeys(f"{r['target']:.4f}" for r in rows if (r["rate"], r["workers"]) == (rate, workers)
                                 and r["label"] == "ddp")  # one per round with --seed-per-round
         lines += ["", f"## {rate}, {workers} workers", "",
-                  f"{rounds} rounds. Target {' / '.join(targets)}. netgain model's pick, before the run: "
+                  f"{rounds} rounds. Target {' / '.join(targets)}. netgain model's fixed codec, before the run: "
                   f"**{chosen['codec']}**"
                   + ("" if "predicted_step_s" not in chosen else
                      f" (predicted step {chosen['predicted_step_s']:.3f} s, {chosen['predicted_speedup']:.2f}x fp32) on "

@@ -219,9 +219,9 @@ def test_cli_prints_every_codec_and_a_recommendation(capsys):
     out = capsys.readouterr().out
     for name, params in SETTINGS:
         assert make_codec(name, **params).describe() in out
-    assert "recommendation:" in out and "**<-**" in out
+    assert "fixed codec:" in out and "**<-**" in out
     assert "7e+09 parameters" in out
-    auto = re.search(r"auto \(the default\) would run: (.*?); predicted step .* to the target ([0-9.]+)x sooner than "
+    auto = re.search(r"recommendation: auto \(the default\) would run: (.*?); predicted step .* to the target ([0-9.]+)x sooner than "
                      r"fp32 DDP .* ([0-9.]+)x sooner than PowerSGD r4", out)
     assert auto and float(auto[2]) >= 1.0, out  # auto's own plan: never priced behind sending fp32
 
@@ -253,6 +253,11 @@ def test_cli_prices_local_steps_against_fp32_ddp_and_the_recommendation(capsys, 
     for _, step, steps, versus_fp32, _ in found:
         assert float(steps) == ROUTE_STEPS
         assert float(versus_fp32) == pytest.approx(fp32 / (float(step) * ROUTE_STEPS), rel=0.01)
+    if routes == ["DDP"]:  # one level: the recommendation is auto's plan, its time to the target step x steps
+        auto = re.search(r"recommendation: auto \(the default\) would run: .*?; predicted step ([0-9.e+-]+) s and "
+                         r"([0-9.]+)x fp32's steps", out)
+        _, step, _, _, versus_auto = found[0]
+        assert float(versus_auto) == pytest.approx(float(auto[1]) * float(auto[2]) / (float(step) * ROUTE_STEPS), abs=0.011)
 
 
 def test_cli_custom_link_cpu_and_no_compression(capsys):
@@ -260,7 +265,8 @@ def test_cli_custom_link_cpu_and_no_compression(capsys):
                      "--latency", "2us", "--gpu", "cpu", "--codec-cost", "free",
                      "--compute-ms", "1000"]) == 0
     out = capsys.readouterr().out
-    assert "recommendation: no compression" in out
+    assert "fixed codec: no compression" in out  # and auto's plan gains nothing either
+    assert re.search(r"recommendation: auto \(the default\) would run: .*: to the target 1\.00x sooner than fp32 DDP", out)
     with pytest.raises(SystemExit):
         cli.main(["model", "--params", "1e6", "--workers", "2", "--link", "lab-1gbit"])
     assert "give --compute-ms" in capsys.readouterr().err
@@ -572,7 +578,7 @@ def test_cli_steps_from_prints_time_to_target(tmp_path, capsys):
     assert cli.main(["model", "--params", "1e7", "--workers", "2", "--link", "lab-100mbit", "--compute-ms", "50",
                      "--codec-cost", "free", "--steps-from", path]) == 0
     out = capsys.readouterr().out
-    assert "to-target speedup" in out and "recommendation: gqsgd(bits=4,encoding=packed)" in out
+    assert "to-target speedup" in out and "fixed codec: gqsgd(bits=4,encoding=packed)" in out
     assert "1.1x its steps to the target" in out
     with pytest.raises(SystemExit):
         cli.main(["model", "--params", "1e7", "--workers", "2", "--link", "lab-100mbit", "--compute-ms", "50",

@@ -9,7 +9,7 @@ import sys
 # subcommand -> (module with `configure(parser)` and `run(args) -> int`, one-line help)
 COMMANDS = {
     "train": ("netgain.train", "data-parallel training with a gradient codec (spawns gloo workers or runs under torchrun)"),
-    "model": ("netgain.cost.advise", "predict step time per gradient codec on a network (alpha-beta model) and recommend one"),
+    "model": ("netgain.cost.advise", "predict step time per gradient codec on a network (alpha-beta model) and what auto would run"),
     "profile": ("netgain.cost.profile", "time the GEMM/attention shapes of a model's layers on this device and cache the table"),
     "align": ("netgain.align.cli", "compress an LLM (low-rank or structured pruning) and re-select hardware-aligned sizes under the same parameter budget (GAC)"),
 }

@@ -2,10 +2,12 @@
 
 Users' first complaint about gradient compression is that it does not speed anything up on their
 cluster. This runs the alpha-beta model of netgain.cost.network for every codec on the given
-model size, world size and fabric, prints step time, communication and speedup, and recommends
-the least lossy codec (most bytes on the wire) that comes within a tolerance of the fastest, which
-is "none" when nothing pays off. Given measured steps to a target loss (`--steps-from`, as
-bench/time_to_accuracy.py writes them), "fastest" means time to target: step time x steps.
+model size, world size and fabric, and prints step time, communication and speedup. It recommends
+what auto would run, from auto's own planner, so that a user who follows it runs what was priced;
+beside it, the fixed codec for a run that pins one: the least lossy (most bytes on the wire) within a
+tolerance of the fastest, "none" when nothing pays off. Given measured steps to a target loss
+(`--steps-from`, as bench/time_to_accuracy.py writes them), "fastest" means time to target: step time
+x steps. On two levels (nodes of several GPUs) it recommends a route, DDP or HSDP, and its codec.
 """
 
 from __future__ import annotations
@@ -327,16 +329,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "library runs: the faster per message as NCCL picks, gloo's ring on the lab "
                         "presets (default auto)")
     parser.add_argument("--allow-biased", action="store_true",
-                        help="let the recommendation be a biased codec (top-k/random-k), whose "
+                        help="let the fixed codec (and on two levels the recommendation) be a biased one "
+                        "(top-k/random-k), whose "
                         "convergence the step time does not show; default: unbiased codecs, 16-bit casts "
                         "and low rank with error feedback only")
     parser.add_argument("--steps-from", nargs="+", metavar="CSV",
                         help="measured steps to a target loss per codec (columns workers, codec, steps_ratio: "
-                        "steps / fp32's; bench/time_to_accuracy.py's CSV has them): the recommendation is then "
+                        "steps / fp32's; bench/time_to_accuracy.py's CSV has them): the fixed codec is then "
                         "by time to target, step time x steps, among the measured codecs (rows at --workers "
                         "where there are any; the median over cells; an empty steps_ratio means never reached)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help="recommend the least lossy codec within this fraction of the fastest "
+                        help="the fixed codec (and on two levels the recommendation): the least lossy within "
+                        "this fraction of the fastest "
                         f"(default {DEFAULT_TOLERANCE}, >= 0)")
 
 
@@ -515,15 +519,18 @@ def run(args) -> int:
         print(routes_report(rows, hsdp, cluster, args.tolerance, args.allow_biased))
     else:
         print(flat_report(rows, args.tolerance, args.allow_biased))
-    chosen = recommend(rows + (hsdp if cluster else []), args.tolerance, args.allow_biased)
+    forecast = args.auto_plan(buckets, bucket_shapes, workers, link, compute_s, cost)
+    # the recommendation: on one level what auto would run (its own planner's solve), on two the route and codec
+    recommended_s = (recommend(rows + hsdp, args.tolerance, args.allow_biased).time_s if cluster
+                     else forecast["step_s"] * forecast["steps"])
     fp32_row = next(r for r in rows if r.profile.name == "none")
     routes = [("DDP", workers, None)] + ([("HSDP", cluster.nodes, cluster)] if cluster and cluster.nodes > 1 else [])
     for route, world, two_level in routes:
         local = args.local_route(world, cost)
         step = price_local(buckets, tensors, workers, link, compute_s, local, two_level, algorithm=args.algorithm,
                            codec_shares_compute=gpu is None)
-        print(local_line(route, local, step, fp32_row, chosen))
-    print(auto_forecast(args.auto_plan(buckets, bucket_shapes, workers, link, compute_s, cost)))
+        print(local_line(route, local, step, fp32_row, recommended_s))
+    print(("" if cluster else "recommendation: ") + auto_forecast(forecast))
     return 0
 
 
@@ -543,27 +550,28 @@ def price_local(buckets: list[int], tensors: list[int] | None, world_size: int, 
     return net.predict_local(step, sync, local.period, local.overlap_steps)
 
 
-def local_line(route: str, local: LocalSteps, step: net.Prediction, fp32_ddp: Row, chosen: Row) -> str:
-    """Local steps on ``route`` against fp32 DDP and the recommendation, in time to the target."""
+def local_line(route: str, local: LocalSteps, step: net.Prediction, fp32_ddp: Row, recommended_s: float) -> str:
+    """Local steps on ``route`` against fp32 DDP and the recommendation (``recommended_s``: its time to the target)."""
     to_target = step.step_s * local.steps
     return (f"local steps, {route} (netgain.sync: {local.profile.name} every {local.period} steps; --local-route offers "
             f"them to auto, --sync runs them): predicted step {step.step_s:.4g} s and {local.steps:.3g}x fp32's steps "
             f"to the target ({local.measured}): {fp32_ddp.time_s / to_target:.2f}x sooner than fp32 DDP, "
-            f"{chosen.time_s / to_target:.2f}x than the recommendation")
+            f"{recommended_s / to_target:.2f}x than the recommendation")
 
 
 def flat_report(rows: list[Row], tolerance: float, biased: bool) -> str:
-    """The codecs' table and the recommendation among them."""
+    """The codecs' table and the fixed codec chosen among them, for a run that pins one (the recommendation is
+    auto's plan: `run`)."""
     chosen = recommend(rows, tolerance, biased)
     measured = any(r.steps is not None for r in rows)
     to_target = f", {chosen.steps:.3g}x its steps to the target" if chosen.steps is not None else ""
     if chosen.profile.name == "none":
         best = min((r for r in eligible(rows, biased) if r is not chosen), key=lambda r: r.time_s, default=chosen)
-        line = (f"recommendation: no compression (no codec is more than {tolerance:.0%} faster"
+        line = (f"fixed codec: no compression (no codec is more than {tolerance:.0%} faster"
                 f"{' to the target' if measured else ''}; best: {best.profile.name} at "
                 f"{chosen.time_s / best.time_s:.2f}x{' to the target' if measured else ' the step speed'})")
     else:
-        line = (f"recommendation: {chosen.profile.name} "
+        line = (f"fixed codec: {chosen.profile.name} "
                 f"({chosen.speedup:.2f}x the step speed of no compression{to_target})")
     return f"{format_table(rows, chosen)}\n\n{line}"
 
