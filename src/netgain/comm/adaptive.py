@@ -46,10 +46,11 @@ as exposed: on the lab a budget of the backward time "fitted"
 fp32 at 1 Gbit/s while two compressing routes ran 1.3-1.45x faster, since the step is not
 overlapped there. Options: none, bf16, fp16 (where max |g| stays below FP16_PEAK), gqsgd at `bits`, and low rank at `lowrank_rank` with fp32
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
-Until a bucket layout has a plan (a process's first step, DDP's rebuild) it sends its widest gqsgd (8 bits),
-not fp32: no uncompressed warm-up on a slow link, and low rank's random warm start starts from a plan
-made on gradients kept unbiased. The first step's collectives bound the link's rate from below (a start-up
-stall only slows them), so auto plans after it; on that bound alone it takes low rank only where priced
+Until a bucket layout has a plan (a process's first two steps, UNPLANNED_STEPS; DDP's rebuild) it sends its
+widest gqsgd (8 bits), not fp32: the warm-up low rank needs, with no uncompressed step on a slow link, and
+low rank's random warm start starts from a plan made on gradients kept unbiased. The first step's
+collectives bound the link's rate from below (a start-up stall only slows them), and the second's measure
+it; on a bound alone (no step measured it yet) auto takes low rank only where priced
 TRIAL_RANGE below every plan that measures the link at volume (`_measuring`). auto's monitor
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
@@ -93,6 +94,11 @@ LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
 # steps, the first TRIAL_SKIP left out (a codec's first calls, a flushed memory); the median step then prices it
 TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
+# auto plans after a bucket layout's second step: its first two go unplanned, whole gradients in gqsgd 8-bit, as a
+# fixed low rank's two fp32 warm-up steps go. On the lab's default job at 100 Mbit/s, 2 workers, 4 seeds (f846781),
+# auto with one unplanned step ran low rank from step 1 and took 119.9-172.5 steps to fp32's target, as low rank
+# without warm-up did (133.0-182.8), where low rank after two fp32 steps took 119.8-132.4
+UNPLANNED_STEPS = 2
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
@@ -363,7 +369,7 @@ class AdaptivePlanner:
         # under HSDP at 50 Mbit/s, held to its end, such a trial of fp16 ran 8 steps at 0.66 s against low rank's 0.4
         # (93d9cfb's grid)
         trial = self.mode == "auto" and self.trying and not (self._stale or self._guess)
-        replanned = bandwidth is not None and bool(self.errors) and (
+        replanned = bandwidth is not None and bool(self.errors) and (self.mode != "auto" or step + 1 >= UNPLANNED_STEPS) and (
             priced or self.climbing or not trial and (measured or moved or warmed or starved or reopened))
         if replanned:
             fitted_before = self.fits
