@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import netgain.comm as comm
 from netgain.comm import adaptive
 from netgain.comm.adaptive import (MAX_ERROR, OVERRUN_EXCEEDANCE, RISE_VOLUME, TRIAL_RANGE, TRIAL_SKIP, TRIAL_STEPS,
-                                   UNPLANNED_STEPS, AdaptivePlanner, option_error)
+                                   WARMUP_WORTH, AdaptivePlanner, option_error)
 from netgain.comm.bandwidth import WIRE_FACTOR, BandwidthMonitor, fit, in_words, rate
 from netgain.comm.collectives import Communicator
 from netgain.comm.calibrate import codec_profile
@@ -1006,23 +1006,25 @@ def test_auto_samples_the_link_only_where_it_needs_to():
     assert kimad.observes(3)
 
 
-@pytest.mark.parametrize("unplanned_steps", [1, UNPLANNED_STEPS])
-def test_auto_sends_its_first_steps_unplanned_and_plans_after_them(unplanned_steps, monkeypatch):
-    """A layout's first UNPLANNED_STEPS (2) steps send the whole gradient in gqsgd 8-bit, the warm-up low rank needs
-    (auto that ran low rank from step 1 took as many steps to the target as low rank without warm-up, up to 1.4x
-    low rank's after two fp32 steps), and the first plan comes after the last of them."""
-    monkeypatch.setattr(adaptive, "UNPLANNED_STEPS", unplanned_steps)
-    planner, link = one_bucket_auto(12.5e6, compute_s=0.1), OneRankLink()
+@pytest.mark.parametrize("rate, whole_steps", [(12.5e6, 2), (0.5e6, 1)])
+def test_auto_sends_a_second_whole_step_where_it_is_cheap(rate, whole_steps):
+    """The first step sends the whole gradient in gqsgd 8-bit, and the second too where that step's link and codec
+    time is under WARMUP_WORTH backward passes: the warm-up low rank needs (auto that ran low rank from step 1 took as
+    many steps to the target as low rank without warm-up), which on a slow link costs more than it saves. The first
+    plan comes after the last whole step."""
+    planner, link = one_bucket_auto(rate, compute_s=0.1), OneRankLink()
     planner.monitor.clock = Clock()
     relative = list(planner.relative[0])
-    for step in range(unplanned_steps + 1):
+    backward_s = 0.05  # a 1 MB step: 0.08 s at 12.5 MB/s, 2 s at 0.5 MB/s, against 10 x 0.05
+    for step in range(whole_steps + 1):
         codec = planner.codec_for(0, 1_000_000)
-        assert (codec is planner.unplanned) == (step < unplanned_steps), step
+        assert (codec is planner.unplanned) == (step < whole_steps), step
         planner._local_errors = {0: [1.0] + relative}  # the step's measured energy and errors
         for nbytes in (16, 1_000_000):
-            planner.monitor.observe("allreduce", nbytes, 0.0005 + nbytes / 12.5e6, 2)
-        planner.end_step(link, step, 0.05, 0.0)
-        assert bool(planner.plan) == (step + 1 >= unplanned_steps), step
+            planner.monitor.observe("allreduce", nbytes, 0.0005 + nbytes / rate, 2)
+        planner.end_step(link, step, backward_s, 0.0)
+        assert bool(planner.plan) == (step + 1 >= whole_steps), step
+    assert WARMUP_WORTH * backward_s == 0.5
 
 
 def test_the_codec_of_the_unplanned_steps_stays_cold():

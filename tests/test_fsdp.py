@@ -445,7 +445,6 @@ def _auto(rank, world, folder):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import netgain.comm.fsdp as fsdp
-    from netgain.comm.adaptive import UNPLANNED_STEPS
     from netgain.comm.codecs import GlobalQSGD
 
     mesh = _mesh()
@@ -504,10 +503,10 @@ def _auto(rank, world, folder):
 
     for settled in (False, True):  # the scripted plan's steps held, or overlapped as auto's settled steps are
         model, optimizer, state = fresh(scripted=True)
-        _train(model, optimizer, rank, UNPLANNED_STEPS, 0)  # planned after these
+        _train(model, optimizer, rank, 2, 0)  # two whole steps on loopback (WARMUP_WORTH), then the plan
         state.planner.settled = lambda step, settled=settled: settled
         state.planner.observes = lambda step, settled=settled: not settled
-        _train(model, optimizer, rank, 2, UNPLANNED_STEPS)
+        _train(model, optimizer, rank, 2, 2)
         results[f"settled={settled}"] = {"params": _params(model), "overlapping": state._overlapping,
                                          "unobserved": state.pipeline.communicator.observer is None,
                                          "samples": len(state.planner._pending_samples)}

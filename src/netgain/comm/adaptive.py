@@ -46,11 +46,11 @@ as exposed: on the lab a budget of the backward time "fitted"
 fp32 at 1 Gbit/s while two compressing routes ran 1.3-1.45x faster, since the step is not
 overlapped there. Options: none, bf16, fp16 (where max |g| stays below FP16_PEAK), gqsgd at `bits`, and low rank at `lowrank_rank` with fp32
 factors and with 8-bit Global-QSGD factors (one rank, so the buckets keep one error-feedback memory).
-Until a bucket layout has a plan (a process's first two steps, UNPLANNED_STEPS; DDP's rebuild) it sends its
-widest gqsgd (8 bits), not fp32: the warm-up low rank needs, with no uncompressed step on a slow link, and
-low rank's random warm start starts from a plan made on gradients kept unbiased. The first step's
-collectives bound the link's rate from below (a start-up stall only slows them), and the second's measure
-it; on a bound alone (no step measured it yet) auto takes low rank only where priced
+Until a bucket layout has a plan (a process's first step, and its second where that is cheap: WARMUP_WORTH;
+DDP's rebuild) it sends its widest gqsgd (8 bits), not fp32: the warm-up low rank needs, with no uncompressed
+step on a slow link, and low rank's random warm start starts from a plan made on gradients kept unbiased.
+The first step's collectives bound the link's rate from below (a start-up stall only slows them), and a
+second whole step's measure it; on a bound alone auto takes low rank only where priced
 TRIAL_RANGE below every plan that measures the link at volume (`_measuring`). auto's monitor
 believes a higher rate only from collectives of comparable volume (RISE_VOLUME): it prices every option
 at that rate and does not climb, since a shaper's burst passes small messages at a rate the link cannot
@@ -94,11 +94,14 @@ LOWRANK_STEPS = {"fp32": 1.15, "gqsgd": 1.25}
 # steps, the first TRIAL_SKIP left out (a codec's first calls, a flushed memory); the median step then prices it
 TRIAL_RANGE = 1.5
 TRIAL_STEPS = 8
-# auto plans after a bucket layout's second step: its first two go unplanned, whole gradients in gqsgd 8-bit, as a
-# fixed low rank's two fp32 warm-up steps go. On the lab's default job at 100 Mbit/s, 2 workers, 4 seeds (f846781),
-# auto with one unplanned step ran low rank from step 1 and took 119.9-172.5 steps to fp32's target, as low rank
-# without warm-up did (133.0-182.8), where low rank after two fp32 steps took 119.8-132.4
-UNPLANNED_STEPS = 2
+# auto's first step goes unplanned (whole gradients in gqsgd 8-bit), and so does its second where that step's link and
+# codec time stays under WARMUP_WORTH backward passes: the warm-up low rank needs, as a fixed low rank's two fp32 steps,
+# where a whole step is cheap. On the lab's default job at 100 Mbit/s, 2 workers, 4 seeds (f846781), auto with one
+# whole step ran low rank from step 1 and took 119.9-172.5 steps to fp32's target, as low rank without warm-up did
+# (133.0-182.8), where low rank after two fp32 steps took 119.8-132.4; with two whole steps (72ab3ce) 124.6-131.1, and
+# 1.08x (0.99-1.27) sooner per round. At 10 Mbit/s, 3 workers, 3 seeds, where a whole step took some 2 s against
+# 0.15 for a low-rank one, the second saved 4.3, 23.5 and -1.1 steps and cost 1.09-1.14x the time to the target
+WARMUP_WORTH = 10
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
 WARM_GAIN = 0.1  # auto: a plan that would compile kernels is warmed and tried only if priced 10% below the best that would not
@@ -211,6 +214,7 @@ class AdaptivePlanner:
         self._warming: set[tuple[int, int]] = set()       # auto: (bucket, option) whose warm-up is waited for
         self._forgone: set[tuple[int, int]] = set()       # auto: (bucket, option) whose compiles outlasted AWAIT_S
         self._steps_run = 0                               # auto: steps ended so far (the run's length as yet: WARM_STALL_S)
+        self._whole_steps = 1                             # auto: steps sent unplanned from the first (WARMUP_WORTH)
         self._pending: list[list[float]] = []             # this rank's (backward, codec, step, other) seconds not yet agreed
         self._pending_samples: list[tuple[float, float]] = []  # and its collectives' samples
         self._planned_link: tuple[float, float] | None = None  # (bandwidth, overhead_s) the plan was made for
@@ -350,6 +354,8 @@ class AdaptivePlanner:
         # first step beside one read a slow link, and auto ran low rank with 8-bit factors for 130 steps
         beside_compile = any(row[4] for row in agreed_rows)
         agreed = self.monitor.agree(link, samples) if most == -fewest and not beside_compile else []
+        if self.mode == "auto" and step == 0 and agreed:  # a second whole step, where it is cheap (agreed: MAX rows)
+            self._whole_steps = 1 + (link_time(agreed) + codec_s < WARMUP_WORTH * agreed_rows[-1][0])
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time
@@ -369,7 +375,7 @@ class AdaptivePlanner:
         # under HSDP at 50 Mbit/s, held to its end, such a trial of fp16 ran 8 steps at 0.66 s against low rank's 0.4
         # (93d9cfb's grid)
         trial = self.mode == "auto" and self.trying and not (self._stale or self._guess)
-        replanned = bandwidth is not None and bool(self.errors) and (self.mode != "auto" or step + 1 >= UNPLANNED_STEPS) and (
+        replanned = bandwidth is not None and bool(self.errors) and step + 1 >= self._whole_steps and (
             priced or self.climbing or not trial and (measured or moved or warmed or starved or reopened))
         if replanned:
             fitted_before = self.fits
