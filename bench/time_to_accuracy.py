@@ -476,17 +476,14 @@ def measure_compute(args, workers: int) -> tuple[float, float]:
 
 
 def lab_link(rate: str):
-    """The cost model's link for a lab rate: its preset, else the nearer preset's fit scaled to the rate's bandwidth;
-    an unshaped veth ("unlimited") as the 1gbit fit, a floor of its rate (no fit of it)."""
+    """The cost model's link for a shaped lab rate: its preset, else the nearer preset's fit scaled to the rate's
+    bandwidth."""
     from lab import parse_rate
     from netgain.cost import network as net
 
     if rate in LINKS:
         return net.preset(LINKS[rate])
     bps = parse_rate(rate)
-    if bps is None:
-        return dataclasses.replace(net.preset(LINKS["1gbit"]), name=f"lab-{rate}",
-                                   note="an unshaped veth, modelled as the lab's 1gbit fit (no fit of its own)")
     base = "1gbit" if bps >= 1e9 else "100mbit"
     link = net.preset(LINKS[base])
     return dataclasses.replace(link, name=f"lab-{rate}", bandwidth=link.bandwidth * bps / parse_rate(base),
@@ -852,6 +849,7 @@ def main(argv=None) -> int:
         picks = {(p["rate"], p["workers"]): p for p in saved["picks"]}
         report(saved["rows"], summarise(saved["rows"], picks), picks, saved["meta"], args.report_from.with_suffix(""))
         return 0
+    from lab import parse_rate
     from netgain import models
     from provenance import git_commit, wait_for_quiet
 
@@ -864,7 +862,7 @@ def main(argv=None) -> int:
         compute[workers], alone = measure_compute(args, workers)
         for rate in args.rates:
             # sharing the cores cannot speed a worker up: below 1 is noise (2 workers: 0.91-1.07)
-            picks[(rate, workers)] = (UNSHAPED if rate == "none" else
+            picks[(rate, workers)] = (UNSHAPED if parse_rate(rate) is None else  # "none", "unlimited"
                                       pick(rate, workers, args, shapes, compute[workers], max(1.0, compute[workers] / alone)))
             print(f"netgain model's pick for {rate}, {workers} workers: {picks[(rate, workers)]['codec']} "
                   f"(contestant {picks[(rate, workers)]['label']})", flush=True)

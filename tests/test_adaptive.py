@@ -1028,8 +1028,8 @@ def test_auto_sends_a_second_whole_step_where_it_is_cheap(rate, whole_steps):
 
 
 def test_the_codec_of_the_unplanned_steps_stays_cold():
-    """auto's first step sends gqsgd 8-bit on every bucket, as an instance of its own whose kernels stay eager
-    (bucket.send, kernel.cold): under HSDP it runs once per group, hot by its third call, and the compile it began
+    """auto's first step sends gqsgd 8-bit on every bucket, as an instance of its own whose kernels begin no
+    compile (bucket.send, kernel.cold): under HSDP it runs once per group, hot by its third call, and the compile it began
     took the cores of the first 23 steps on the lab at 50 Mbit/s (a probe at a load of 1.8), which measured no link
     beside it and went unplanned. A trial of gqsgd 8-bit is warmed first like any other cold option."""
     planner = comm.AutoConfig().build()

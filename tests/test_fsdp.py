@@ -503,7 +503,7 @@ def _auto(rank, world, folder):
 
     for settled in (False, True):  # the scripted plan's steps held, or overlapped as auto's settled steps are
         model, optimizer, state = fresh(scripted=True)
-        _train(model, optimizer, rank, 2, 0)  # two whole steps on loopback (WARMUP_WORTH), then the plan
+        _train(model, optimizer, rank, 2, 0)  # planned by now, after one whole step or two (WARMUP_WORTH)
         state.planner.settled = lambda step, settled=settled: settled
         state.planner.observes = lambda step, settled=settled: not settled
         _train(model, optimizer, rank, 2, 2)

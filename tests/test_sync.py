@@ -201,8 +201,8 @@ def eager_averages(rank, world_size):
 
 
 def test_an_eager_codec_begins_no_compile_on_any_thread():
-    """auto's route on trial runs its codec eagerly (SyncOptimizer.eager, kernel.cold on the sync thread): its decode,
-    run on the collective's callback thread, stays eager too. Not eager, the same averages begin compiles."""
+    """auto's route on trial begins no compile (SyncOptimizer.eager, kernel.cold on the sync thread): its decode,
+    run on the collective's callback thread, begins none either. Not eager, the same averages begin compiles."""
     for status, value in run(eager_averages, 2):
         assert status == "ok", value
         eager, every = value

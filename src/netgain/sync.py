@@ -216,7 +216,7 @@ class SyncOptimizer:
     """DiLoCo around ``optimizer``: build it with `wrap`; call `step()` where you called ``optimizer.step()``.
 
     Attributes: ``optimizer`` (the inner one, yours: schedulers and zero_grad go to it), ``config``,
-    ``inner_steps``, ``eager`` (the codec runs eagerly and begins no compile: auto's route on trial),
+    ``inner_steps``, ``eager`` (the codec begins no compile, and runs eagerly unless a graph is compiled already: auto's route on trial),
     ``comm`` (the codec pipeline's CommState: per-sync statistics in
     ``comm.history``, the last in ``comm.last_step``), ``process_group``, and of the last `step()`
     (or `wait()`): ``applied``, the pipeline's records of the averages it applied (most steps: none;
@@ -596,7 +596,7 @@ class LocalRoute:
     takes ROUTE_TRIAL_SYNCS periods of local steps
     (DDP's reducer is off, as in its no_sync(), so each rank steps on its own gradient; under FSDP2 each replica
     steps on its own, reduce-scattered inside it, and syncs its shards with the other replicas'; a SyncOptimizer
-    averages the parameters every period, in summable codes; its codec runs eagerly, on trial and after, until its
+    averages the parameters every period, in summable codes; its codec begins no compile, on trial and after, until its
     eager averages have cost the stall a compile would (WARM_STALL_S), and then its kernels compile ahead, `_warm`). Its price, from the trial's last
     period, is its median step less its waits for averages, plus those waits spread over its steps (the slowest
     rank's), times its steps to the target (``steps``); it stays where that is more than TIE below the per-step plan's
@@ -806,7 +806,7 @@ class LocalRoute:
         self._local(True)
 
     def _set_phase(self, phase: str) -> None:
-        """The phase of a route taking local steps: on trial its codec runs eagerly; local for good (entered so,
+        """The phase of a route taking local steps: on trial its codec begins no compile (kernel.cold); local for good (entered so,
         won, or resumed so), its kernels compile ahead once its eager averages have cost WARM_STALL_S (no
         collective: compiled kernels are the process's, and give the same bits)."""
         self.phase, self.sync.eager = phase, phase == "trial" or self._rent < WARM_STALL_S

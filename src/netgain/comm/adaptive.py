@@ -99,8 +99,8 @@ TRIAL_STEPS = 8
 # where a whole step is cheap. On the lab's default job at 100 Mbit/s, 2 workers, 4 seeds (f846781), auto with one
 # whole step ran low rank from step 1 and took 119.9-172.5 steps to fp32's target, as low rank without warm-up did
 # (133.0-182.8), where low rank after two fp32 steps took 119.8-132.4; with two whole steps (72ab3ce) 124.6-131.1, and
-# 1.08x (0.99-1.27) sooner per round. At 10 Mbit/s, 3 workers, 3 seeds, where a whole step took some 2 s against
-# 0.15 for a low-rank one, the second saved 4.3, 23.5 and -1.1 steps and cost 1.09-1.14x the time to the target
+# 1.08x (0.99-1.27) sooner per round. At 10 Mbit/s, 3 workers, 3 seeds, where a whole step took 2.6-3.1 s against
+# 0.12-0.15 for a low-rank one, the second saved 4.3, 23.5 and -1.1 steps and cost 1.09-1.14x the time to the target
 WARMUP_WORTH = 10
 TRIAL_SKIP = 2
 AGREE_EVERY = 10  # auto, settled: agree once per 10 steps (2 small collectives a step: see docs/adaptive.md)
@@ -178,7 +178,7 @@ class AdaptivePlanner:
                                      + [TopK(r) for r in sorted(topk_ratios, reverse=True)] + lowrank)
         # what a bucket layout without a plan sends (its first steps, DDP's rebuild): fp32, or auto's widest gqsgd,
         # unbiased in a quarter of fp32's bytes (on the lab at 10 Mbit/s its first 2 steps in bf16 took 8 s of 27)
-        # an instance of its own, whose kernels stay eager (bucket.send, kernel.cold): it runs a step or two
+        # an instance of its own, whose kernels begin no compile (bucket.send, kernel.cold): it runs a step or two
         widest = [option for option in self.options if isinstance(option, GlobalQSGD)][:1]
         self.unplanned = copy.copy((widest + cast if auto else self.options)[0])
         self.memory_codec = next((option for option in self.options if option.uses_feedback), None)  # EF21 or low rank's
@@ -355,7 +355,7 @@ class AdaptivePlanner:
         beside_compile = any(row[4] for row in agreed_rows)
         agreed = self.monitor.agree(link, samples) if most == -fewest and not beside_compile else []
         if self.mode == "auto" and step == 0 and agreed:  # a second whole step, where it is cheap (agreed: MAX rows)
-            self._whole_steps = 1 + (link_time(agreed) + codec_s < WARMUP_WORTH * agreed_rows[-1][0])
+            self._whole_steps = 1 + (link_time(agreed) + codec_s < WARMUP_WORTH * backward_s)  # step 0's, agreed
         bandwidth = self.monitor.update(*self.monitor.add_step(agreed))
         # the step's communication as the budget counts it: link time (each collective's least time across
         # ranks, no wait for a slower rank's backward) plus the slowest rank's codec time

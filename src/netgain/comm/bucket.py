@@ -92,7 +92,7 @@ def send(state: CommState, job: BucketJob, communicator: Communicator, stream=No
     # the memory restarts from this step's gradient, before the header scales it (low rank's residual joins it)
     restart = memory_codec is not None and not codec.uses_feedback
     local_grad = ctx.feedback.restart(x, ctx) if restart else None
-    # a planner's unplanned codec runs a step or two: its kernels stay eager (kernel.cold), as a caller's inside `cold`
+    # a planner's unplanned codec runs a step or two: its kernels begin no compile (kernel.cold), as a caller's inside `cold`
     # do (auto's route on trial); the decode runs on the collective's callback thread, so it is told
     cold = kernel.is_cold() or (planner is not None and codec is planner.unplanned)
     with kernel.cold(cold):
